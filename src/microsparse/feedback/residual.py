@@ -1,0 +1,47 @@
+"""Error feedback: nothing that is not sent is lost, only delayed.
+
+One flat vector holds the residual e between steps. ``compensate`` adds the fresh gradients
+into it in place (a = g + e, no copy of the gradients), selection and exchange read a from
+it, and ``forget`` zeroes every position whose value was sent, which leaves the new residual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from microsparse.layout import FlatVector, Layout
+
+
+class ErrorFeedback:
+    """The residual of one worker, laid out like the flat gradient vector.
+
+    Example:
+        >>> import torch
+        >>> layout = Layout.of([("w", torch.zeros(4))])
+        >>> memory = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+        >>> memory.compensate([torch.tensor([1.0, -2.0, 3.0, 0.5])])
+        >>> memory.forget(torch.tensor([2]))   # position 2 was sent
+        >>> memory.accumulated.tolist()        # the residual keeps the rest
+        [1.0, -2.0, 0.0, 0.5]
+    """
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, device: torch.device) -> None:
+        self._vector = FlatVector(layout, dtype, device)
+        self.accumulated = self._vector.data
+
+    def compensate(self, gradients: Sequence[torch.Tensor | None]) -> None:
+        """a ← e + g, in place. A missing gradient (unused parameter) counts as zero."""
+        for view, gradient in zip(self._vector.views, gradients):
+            if gradient is not None:
+                view.add_(gradient)
+
+    def forget(self, sent: torch.Tensor) -> None:
+        """e ← a with every sent position zeroed: O(K), no dense pass."""
+        self.accumulated.index_fill_(0, sent, 0)
+
+    def nonfinite(self) -> torch.Tensor:
+        """A 0-d bool tensor, True if a contains NaN or Inf (one pass, no host sync)."""
+        # NaN and Inf survive a sum; float64 accumulation keeps large finite values finite.
+        return ~torch.isfinite(self.accumulated.sum(dtype=torch.float64))

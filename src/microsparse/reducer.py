@@ -1,0 +1,252 @@
+"""The plain-training-loop API: sparse gradient averaging between ``backward`` and ``step``."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from microsparse.comm import Communicator, all_gather_bytes, all_reduce_bytes
+from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
+from microsparse.feedback import ErrorFeedback
+from microsparse.layout import FlatVector, Layout
+from microsparse.sparsifiers import create_sparsifier
+from microsparse.stats import StepStats
+
+ParameterSource = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+_HEADER = ("selected", "nonfinite", "step")  # the fixed-size message every rank sends first
+
+
+class GradientReducer:
+    """Replaces every ``p.grad`` by the sparsified average of all workers' gradients.
+
+    Call :meth:`synchronize` after ``loss.backward()`` and before ``optimizer.step()`` on every
+    rank. Each call: adds the fresh gradients to this worker's residual (error feedback), lets
+    the sparsifier select positions, exchanges them so every rank knows all selected positions,
+    all-reduces every rank's accumulated values there, divides by n, writes that sparse
+    average into ``p.grad`` (identical on all ranks), and keeps what was not sent as the new
+    residual. Momentum and weight decay stay with your optimiser and act on the average.
+
+    Args:
+        params: a module, ``module.parameters()`` or ``module.named_parameters()``; the flat
+            gradient vector follows this order. Parameters that do not require grad are skipped.
+        sparsifier: a name from :func:`microsparse.available_sparsifiers`.
+        density: fraction δ of the d gradient entries to send per step, in (0, 1].
+        process_group: the group to average over; ``None`` is the default group, or a group
+            of one when ``torch.distributed`` is not initialised.
+        **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
+
+    Non-finite gradients: if any rank's accumulated gradient holds NaN or Inf, every rank
+    raises :class:`microsparse.NonFiniteGradientError` in the same step, naming the step, the
+    ranks and (on those ranks) the parameters. Nothing is averaged; the residual is not
+    usable afterwards (restore a checkpoint).
+
+    Construction is collective: every rank must build its reducer with the same parameter
+    shapes, sparsifier and options, or all ranks raise :class:`microsparse.ConfigMismatchError`.
+
+    Example:
+        >>> reducer = microsparse.GradientReducer(model.parameters(), "micro", density=0.001)  # doctest: +SKIP
+        >>> loss.backward()                                                                   # doctest: +SKIP
+        >>> stats = reducer.synchronize()    # p.grad is now the sparse average                # doctest: +SKIP
+        >>> optimizer.step()                                                                  # doctest: +SKIP
+        >>> stats.selected, stats.target, stats.threshold                                     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        params: ParameterSource,
+        sparsifier: str = "micro",
+        density: float = 0.001,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **options: Any,
+    ) -> None:
+        self._names, self._params = _trainable_parameters(params)
+        first = self._params[0]
+        self.layout = Layout.of(list(zip(self._names, self._params)))
+        self._comm = Communicator(process_group)
+        self.sparsifier = create_sparsifier(sparsifier, density, **options)
+        self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
+        dtype = _accumulator_dtype(self._params)
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device)
+        self._averaged = FlatVector(self.layout, dtype, first.device)  # reused every step
+        self._written = torch.empty(0, dtype=torch.long, device=first.device)
+        self.step = 0
+        self.last_step: StepStats | None = None
+        """Statistics of the most recent :meth:`synchronize`, or ``None`` before the first."""
+        self._comm.check_agreement(
+            "the reducer configuration (parameter count, layout, sparsifier, density, options)",
+            [self.layout.numel, zlib.crc32(self._fingerprint().encode())],
+            first.device,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._comm.world_size
+
+    @property
+    def residual(self) -> torch.Tensor:
+        """This worker's error-feedback residual e as one flat vector (do not modify)."""
+        return self._feedback.accumulated
+
+    def synchronize(self) -> StepStats:
+        """Average the current gradients sparsely across all ranks; see the class docstring."""
+        step, n, numel = self.step, self._comm.world_size, self.layout.numel
+        started = time.perf_counter()
+        self._feedback.compensate([p.grad for p in self._params])
+        accumulated = self._feedback.accumulated
+        local = self.sparsifier.select(accumulated, step)
+        threshold = self.sparsifier.threshold
+        selected_at = time.perf_counter()
+
+        header = torch.tensor([local.numel(), 0, step], dtype=torch.long, device=accumulated.device)
+        header[1] = self._feedback.nonfinite()
+        rows = self._comm.all_gather_rows(header).tolist()
+        self._check_header(rows)
+        counts = [row[0] for row in rows]
+        sent = all_gather_bytes(header.numel() * header.element_size(), n)
+
+        positions, index_bytes = self._comm.gather_indices(
+            local, counts, numel, unique=self.sparsifier.exchange == "union"
+        )
+        values = accumulated.index_select(0, positions)
+        sent += index_bytes + self._comm.sum_(values)
+        values.div_(n)
+        self._write_gradients(positions, values)
+        self._feedback.forget(positions)
+        self.sparsifier.update(positions.numel())
+        finished = time.perf_counter()
+
+        self.step += 1
+        self.last_step = StepStats(
+            step=step,
+            numel=numel,
+            world_size=n,
+            selected=positions.numel(),
+            target=self.sparsifier.target,
+            threshold=threshold,
+            local_selected=local.numel(),
+            max_local_selected=max(counts),
+            partition=self.sparsifier.partition(step),
+            bytes_sent=sent,
+            dense_bytes=all_reduce_bytes(numel * accumulated.element_size(), n),
+            select_seconds=selected_at - started,
+            exchange_seconds=finished - selected_at,
+        )
+        return self.last_step
+
+    def _check_header(self, rows: list[list[int]]) -> None:
+        steps = [row[2] for row in rows]
+        if len(set(steps)) > 1:
+            raise ConfigMismatchError(
+                f"ranks called synchronize() a different number of times (steps per rank: "
+                f"{steps}); every rank must call it exactly once per training step"
+            )
+        bad_ranks = [rank for rank, row in enumerate(rows) if row[1]]
+        if bad_ranks:
+            where = ""
+            if self._comm.rank in bad_ranks:
+                names = [
+                    name
+                    for name, p in zip(self._names, self._params)
+                    if p.grad is not None and not torch.isfinite(p.grad).all()
+                ] or ["(the residual carried from an earlier step)"]
+                where = f"; on rank {self._comm.rank} in parameter(s) {', '.join(names)}"
+            raise NonFiniteGradientError(
+                f"step {steps[0]}: NaN or Inf gradient on rank(s) {bad_ranks}{where}. Lower the "
+                "learning rate, clip gradients, or unscale AMP gradients before synchronize()"
+            )
+
+    def _write_gradients(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        averaged = self._averaged.data
+        # Only last step's positions are nonzero: clearing them is O(K), not a pass over d.
+        averaged.index_fill_(0, self._written, 0)
+        averaged.index_copy_(0, positions, values)
+        self._written = positions
+        for p, view in zip(self._params, self._averaged.views):
+            if p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+
+    def _fingerprint(self) -> str:
+        shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
+        return (
+            f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
+            f"{sorted(self.sparsifier.options().items())}|{self._feedback.accumulated.dtype}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: step, residual, sparsifier state.
+
+        Example:
+            >>> torch.save(reducer.state_dict(), f"reducer-rank{rank}.pt")  # doctest: +SKIP
+        """
+        return {
+            "step": self.step,
+            "residual": self._feedback.accumulated.clone(),
+            "sparsifier": self.sparsifier.state_dict(),
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by :meth:`state_dict` on the same rank of the same setup."""
+        if state.get("fingerprint") != self._fingerprint():
+            raise ValueError(
+                "state was saved by a reducer with a different layout, sparsifier, density or "
+                f"options ({state.get('fingerprint')!r} vs {self._fingerprint()!r})"
+            )
+        self._feedback.accumulated.copy_(state["residual"])
+        self.sparsifier.load_state_dict(state["sparsifier"])
+        self.step = int(state["step"])
+
+
+def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:
+    items = list(params.named_parameters() if isinstance(params, nn.Module) else params)
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for index, item in enumerate(items):
+        name, tensor = item if isinstance(item, tuple) else (f"parameter {index}", item)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"params must hold tensors or (name, tensor) pairs; item {index} is {type(tensor).__name__}"
+            )
+        if not tensor.requires_grad or id(tensor) in seen:  # frozen, or tied and listed twice
+            continue
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"params: {name} has dtype {tensor.dtype}; only floating-point parameters have "
+                "gradients to reduce (exclude integer or complex tensors from params)"
+            )
+        seen.add(id(tensor))
+        names.append(name)
+        tensors.append(tensor)
+    if not tensors:
+        raise ValueError(
+            "params: no parameter requires grad; pass model.parameters() (or named_parameters()) "
+            "of a model with trainable parameters"
+        )
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"params: all parameters must be on one device, found {sorted(map(str, devices))}")
+    return names, tensors
+
+
+def _accumulator_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    # Residuals of half-precision parameters are kept in float32: tiny unsent values would
+    # otherwise round away, which is exactly what error feedback must not lose.
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype

@@ -1,0 +1,85 @@
+"""Per-step statistics that every sparsifier reports in the same shape."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one synchronisation step selected, sent and cost.
+
+    All counts are global (identical on every rank) unless their name starts with ``local_``.
+
+    Example:
+        >>> stats = reducer.last_step  # doctest: +SKIP
+        >>> print(f"K/k = {stats.selected / stats.target:.2f}, λ = {stats.threshold:.3g}")  # doctest: +SKIP
+    """
+
+    step: int
+    """Index of this step, counting from 0."""
+    numel: int
+    """Length d of the flat gradient vector."""
+    world_size: int
+    """Number of workers n."""
+    selected: int
+    """K: number of distinct positions whose values were averaged this step."""
+    target: int
+    """k = max(1, floor(density · d)): the number of positions the user asked for."""
+    threshold: float
+    """Threshold used for selection this step (NaN for sparsifiers that have none)."""
+    local_selected: int
+    """Positions this rank selected (its contribution to K)."""
+    max_local_selected: int
+    """Largest selection of any rank: the padded length of the index message."""
+    partition: tuple[int, int] | None
+    """Half-open range [start, end) this rank selected from, for partitioned sparsifiers."""
+    bytes_sent: int
+    """Bytes this rank sends on the wire, modelled for ring collectives (see ``microsparse.comm``)."""
+    dense_bytes: int
+    """Bytes the same rank would send for a dense ring all-reduce of all d values."""
+    select_seconds: float
+    """Wall time of error-feedback compensation plus selection on this rank."""
+    exchange_seconds: float
+    """Wall time of the collectives plus writing the averaged gradient back."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Sparsifier-specific values (e.g. per-rank counts)."""
+
+    @property
+    def density(self) -> float:
+        """Actual density K / d."""
+        return self.selected / self.numel
+
+    @property
+    def target_density(self) -> float:
+        """Target density k / d."""
+        return self.target / self.numel
+
+    @property
+    def ratio_error(self) -> float:
+        """Compression ratio error |K/k − 1|."""
+        return abs(self.selected / self.target - 1.0)
+
+    @property
+    def padding_overhead(self) -> float:
+        """Index-exchange padding overhead n · max_r k_r / K − 1 (0 when perfectly balanced)."""
+        if self.selected == 0:
+            return 0.0
+        return self.world_size * self.max_local_selected / self.selected - 1.0
+
+    @property
+    def traffic_ratio(self) -> float:
+        """Bytes sent relative to a dense ring all-reduce (NaN for a single worker)."""
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else math.nan
+
+    def as_record(self) -> dict[str, Any]:
+        """A flat, JSON-serialisable dict including the derived quantities."""
+        record = asdict(self)
+        record.pop("extra")
+        record.update(self.extra)
+        record["partition"] = list(self.partition) if self.partition else None
+        for name in ("density", "target_density", "ratio_error", "padding_overhead", "traffic_ratio"):
+            record[name] = getattr(self, name)
+        return record
