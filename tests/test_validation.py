@@ -1,0 +1,132 @@
+"""Bad input gets a clear error that names the argument; ranks that disagree are told so."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from distributed import run_ranks
+
+import microsparse
+from microsparse import ConfigMismatchError, GradientReducer, NonFiniteGradientError
+
+
+def linear() -> torch.nn.Module:
+    return torch.nn.Linear(4, 3)
+
+
+@pytest.mark.parametrize("density", [0, -0.1, 1.5, math.nan, math.inf])
+def test_density_out_of_range(density: float) -> None:
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        GradientReducer(linear(), "micro", density)
+
+
+@pytest.mark.parametrize("density", ["0.1", None, True])
+def test_density_not_a_number(density: object) -> None:
+    with pytest.raises(TypeError, match="density must be a number"):
+        GradientReducer(linear(), "micro", density)  # type: ignore[arg-type]
+
+
+def test_unknown_sparsifier_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"sparsifier must be one of .*micro.*'nope'"):
+        GradientReducer(linear(), "nope", 0.1)
+
+
+def test_unknown_option_names_the_accepted_ones() -> None:
+    with pytest.raises(ValueError, match=r"no option 'threshold'; it accepts: threshold_rule"):
+        GradientReducer(linear(), "micro", 0.1, threshold=0.5)
+
+
+def test_unknown_threshold_rule() -> None:
+    with pytest.raises(ValueError, match=r"threshold_rule must be one of symmetric, as_coded"):
+        GradientReducer(linear(), "micro", 0.1, threshold_rule="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
+def test_non_floating_parameters(dtype: torch.dtype) -> None:
+    bad = torch.zeros(3, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"params: codes has dtype {dtype}; only real floating-point"):
+        GradientReducer([("weight", torch.zeros(3, requires_grad=True)), ("codes", bad)], "micro", 0.1)
+
+
+def test_no_trainable_parameters() -> None:
+    model = linear().requires_grad_(False)
+    with pytest.raises(ValueError, match="params: no parameter requires grad"):
+        GradientReducer(model, "micro", 0.1)
+    with pytest.raises(ValueError, match="params: no parameter requires grad"):
+        GradientReducer([], "micro", 0.1)
+
+
+def test_frozen_and_tied_parameters_are_counted_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    model[1].weight = model[0].weight  # tied
+    reducer = GradientReducer(model, "micro", 0.5)
+    assert reducer.layout.numel == 20
+    assert reducer.layout.names == ("0.weight",)
+
+
+def test_nonfinite_gradient_on_one_worker_process() -> None:
+    model = linear()
+    reducer = GradientReducer(model, "micro", 0.5)
+    model(torch.randn(2, 4)).sum().backward()
+    model.bias.grad[1] = math.inf
+    with pytest.raises(NonFiniteGradientError, match=r"step 0: NaN or Inf gradient on rank\(s\) \[0\]; .* bias"):
+        reducer.synchronize()
+
+
+def nonfinite_worker(rank: int, n: int) -> list[str]:
+    model = torch.nn.Linear(4, 3)
+    reducer = GradientReducer(model.named_parameters(), "micro", 0.5)
+    messages = []
+    for step in range(3):
+        model.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        if step == 2 and rank == 1:
+            model.weight.grad[0, 0] = math.nan
+        try:
+            reducer.synchronize()
+        except NonFiniteGradientError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_nonfinite_gradient_stops_every_rank_in_the_same_step(tmp_path) -> None:
+    messages = run_ranks(nonfinite_worker, 2, tmp_path)
+    for rank_messages in messages:
+        assert len(rank_messages) == 1
+        assert rank_messages[0].startswith("step 2: NaN or Inf gradient on rank(s) [1]")
+    assert "on rank 1 in parameter(s) weight" in messages[1][0]
+
+
+def mismatch_worker(rank: int, n: int, what: str) -> str:
+    model = torch.nn.Linear(4, 3 + (rank if what == "shape" else 0))
+    density = 0.5 if what != "density" or rank == 0 else 0.25
+    try:
+        reducer = GradientReducer(model, "micro", density)
+        if what == "step":
+            model(torch.randn(2, 4)).sum().backward()
+            if rank == 1:
+                reducer.step = 7  # e.g. resumed from another rank's checkpoint
+            reducer.synchronize()
+    except ConfigMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("density", "ranks disagree on the reducer configuration"),
+        ("shape", "ranks disagree on the reducer configuration"),
+        ("step", r"called synchronize\(\) a different number of times \(steps per rank: \[0, 7\]\)"),
+    ],
+)
+def test_disagreeing_ranks_are_detected_not_deadlocked(what: str, message: str, tmp_path) -> None:
+    for text in run_ranks(mismatch_worker, 2, tmp_path, what):
+        assert __import__("re").search(message, text), text
+
+
+def test_public_api_names() -> None:
+    assert "micro" in microsparse.available_sparsifiers()
+    assert microsparse.__version__
