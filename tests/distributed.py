@@ -33,6 +33,7 @@ def _worker(rank: int, world_size: int, init: str, out: str, fn: Callable[..., A
         result = fn(rank, world_size, *args)
     except BaseException:
         raise RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}") from None
-    finally:
-        dist.destroy_process_group()
+    # No rank may tear the group down while another still has collectives in flight.
+    dist.barrier()
+    dist.destroy_process_group()
     torch.save(result, Path(out) / f"result-{rank}.pt")
