@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,9 +73,15 @@ class GradientReducer:
         self._comm = Communicator(process_group)
         self.sparsifier = create_sparsifier(sparsifier, density, **options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
+        if self.sparsifier.exchange not in self._EXCHANGES:
+            raise ValueError(
+                f"sparsifier {sparsifier!r} declares exchange {self.sparsifier.exchange!r}; "
+                f"the reducer knows {', '.join(sorted(self._EXCHANGES))}"
+            )
         dtype = _accumulator_dtype(self._params)
         self._feedback = ErrorFeedback(self.layout, dtype, first.device)
         self._averaged = FlatVector(self.layout, dtype, first.device)  # reused every step
+        self._feedback_views = _views(self._feedback.accumulated, self.layout)
         self._written = torch.empty(0, dtype=torch.long, device=first.device)
         self.step = 0
         self.last_step: StepStats | None = None
@@ -105,26 +111,18 @@ class GradientReducer:
         started = time.perf_counter()
         self._feedback.compensate([p.grad for p in self._params])
         accumulated = self._feedback.accumulated
-        local = self.sparsifier.select(accumulated, step)
-        threshold = self.sparsifier.threshold
-        selected_at = time.perf_counter()
+        if self.sparsifier.planned:  # waiting for the leader's plan is part of selection
+            local, counts, agreed_bytes = self._select_planned(accumulated, step)
+            selected_at = time.perf_counter()
+        else:
+            local = self.sparsifier.select(accumulated, step)
+            selected_at = time.perf_counter()
+            counts, agreed_bytes = self._agree(local.numel(), step, accumulated)
+        threshold, extra = self.sparsifier.threshold, self.sparsifier.report()
 
-        header = torch.tensor([local.numel(), 0, step], dtype=torch.long, device=accumulated.device)
-        header[1] = self._feedback.nonfinite()
-        rows = self._comm.all_gather_rows(header).tolist()
-        self._check_header(rows)
-        counts = [row[0] for row in rows]
-        sent = all_gather_bytes(header.numel() * header.element_size(), n)
-
-        positions, index_bytes = self._comm.gather_indices(
-            local, counts, numel, unique=self.sparsifier.exchange == "union"
-        )
-        values = accumulated.index_select(0, positions)
-        sent += index_bytes + self._comm.sum_(values)
-        values.div_(n)
-        self._write_gradients(positions, values)
-        self._feedback.forget(positions)
-        self.sparsifier.update(positions.numel())
+        exchange = self._EXCHANGES[self.sparsifier.exchange]
+        result = exchange(self, accumulated, local, counts)
+        self.sparsifier.update(result.selected)
         finished = time.perf_counter()
 
         self.step += 1
@@ -132,18 +130,101 @@ class GradientReducer:
             step=step,
             numel=numel,
             world_size=n,
-            selected=positions.numel(),
+            selected=result.selected,
             target=self.sparsifier.target,
             threshold=threshold,
-            local_selected=local.numel(),
-            max_local_selected=max(counts),
+            local_selected=result.local_selected,
+            max_local_selected=result.max_local_selected,
             partition=self.sparsifier.partition(step),
-            bytes_sent=sent,
+            bytes_sent=agreed_bytes + result.bytes_sent,
             dense_bytes=all_reduce_bytes(numel * accumulated.element_size(), n),
             select_seconds=selected_at - started,
             exchange_seconds=finished - selected_at,
+            extra=extra,
+            proposed=result.proposed,
+            exchange=self.sparsifier.exchange,
         )
         return self.last_step
+
+    def _select_planned(
+        self, accumulated: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, list[int], int]:
+        """Check the header first (a leader must not plan on NaN or at another step), then
+        broadcast the leader's plan, which fixes every rank's count, and select by it."""
+        _, sent = self._agree(0, step, accumulated)
+        leader = self.sparsifier.leader(step)
+        if self._comm.rank == leader:
+            plan = self.sparsifier.make_plan(accumulated, step)
+        else:
+            plan = self.sparsifier.empty_plan(accumulated.device)
+        sent += self._comm.broadcast_(plan, leader)
+        counts = self.sparsifier.adopt_plan(plan, step)
+        local = self.sparsifier.select(accumulated, step)
+        if local.numel() != counts[self._comm.rank]:
+            raise RuntimeError(
+                f"{self.sparsifier.name}: rank {self._comm.rank} selected {local.numel()} "
+                f"positions but its plan says {counts[self._comm.rank]} (a sparsifier bug)"
+            )
+        return local, counts, sent
+
+    def _agree(self, count: int, step: int, accumulated: torch.Tensor) -> tuple[list[int], int]:
+        """All-gather the fixed-size header; raise on every rank if any rank is unusable."""
+        header = torch.tensor([count, 0, step], dtype=torch.long, device=accumulated.device)
+        header[1] = self._feedback.nonfinite()
+        rows = self._comm.all_gather_rows(header).tolist()
+        self._check_header(rows)
+        sent = all_gather_bytes(header.numel() * header.element_size(), self._comm.world_size)
+        return [row[0] for row in rows], sent
+
+    def _exchange_indices(
+        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
+    ) -> _Exchanged:
+        """``exclusive`` and ``union``: all-gather the padded index lists, average there."""
+        positions, sent = self._comm.gather_indices(
+            local, counts, self.layout.numel, unique=self.sparsifier.exchange == "union"
+        )
+        sent += self._average_at(accumulated, positions)
+        return _Exchanged(positions.numel(), local.numel(), max(counts), sum(counts), sent)
+
+    def _exchange_shared(
+        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
+    ) -> _Exchanged:
+        """``shared``: every rank already holds the same positions; only values travel."""
+        if len(set(counts)) > 1:
+            raise ConfigMismatchError(
+                f"{self.sparsifier.name} must select the same positions on every rank, but the "
+                f"counts per rank are {counts}"
+            )
+        sent = self._average_at(accumulated, local)
+        selected = local.numel()
+        return _Exchanged(selected, selected, selected, selected, sent)
+
+    def _exchange_dense(
+        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
+    ) -> _Exchanged:
+        """``dense``: all-reduce the whole vector in place; nothing is left behind."""
+        sent = self._comm.sum_(accumulated)
+        accumulated.div_(self._comm.world_size)
+        self._copy_to_grads(self._feedback_views)
+        accumulated.zero_()
+        numel = self.layout.numel
+        return _Exchanged(numel, numel, numel, numel, sent)
+
+    _EXCHANGES = {
+        "exclusive": _exchange_indices,
+        "union": _exchange_indices,
+        "shared": _exchange_shared,
+        "dense": _exchange_dense,
+    }
+
+    def _average_at(self, accumulated: torch.Tensor, positions: torch.Tensor) -> int:
+        """Average every rank's values at ``positions``, write them, forget them locally."""
+        values = accumulated.index_select(0, positions)
+        sent = self._comm.sum_(values)
+        values.div_(self._comm.world_size)
+        self._write_gradients(positions, values)
+        self._feedback.forget(positions)
+        return sent
 
     def _check_header(self, rows: list[list[int]]) -> None:
         steps = [row[2] for row in rows]
@@ -173,7 +254,10 @@ class GradientReducer:
         averaged.index_fill_(0, self._written, 0)
         averaged.index_copy_(0, positions, values)
         self._written = positions
-        for p, view in zip(self._params, self._averaged.views):
+        self._copy_to_grads(self._averaged.views)
+
+    def _copy_to_grads(self, views: list[torch.Tensor]) -> None:
+        for p, view in zip(self._params, views):
             if p.grad is None:
                 p.grad = view.to(p.dtype, copy=True)
             else:
@@ -209,6 +293,23 @@ class GradientReducer:
         self._feedback.accumulated.copy_(state["residual"])
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
+
+
+class _Exchanged(NamedTuple):
+    """What one exchange kind reports back to :meth:`GradientReducer.synchronize`."""
+
+    selected: int
+    local_selected: int
+    max_local_selected: int
+    proposed: int
+    bytes_sent: int
+
+
+def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    return [
+        flat[offset : offset + size].view(shape)
+        for offset, size, shape in zip(layout.offsets, layout.sizes, layout.shapes)
+    ]
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

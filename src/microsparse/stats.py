@@ -46,6 +46,10 @@ class StepStats:
     """Wall time of the collectives plus writing the averaged gradient back."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Sparsifier-specific values (e.g. per-rank counts)."""
+    proposed: int = 0
+    """Σ_r of every rank's proposals before deduplication (K for exclusive, shared and dense)."""
+    exchange: str = ""
+    """How proposals were combined: ``exclusive``, ``union``, ``shared`` or ``dense``."""
 
     @property
     def density(self) -> float:
@@ -63,9 +67,22 @@ class StepStats:
         return abs(self.selected / self.target - 1.0)
 
     @property
+    def build_up(self) -> float:
+        """Build-up factor K / k: how far the union of all selections exceeds the target.
+
+        Between 1 and n for top-k (1 when all workers pick the same positions); 1 by
+        construction for CLT-k, DEFT and dense; for threshold methods it also carries the
+        threshold's error. ``proposed / selected`` separates overlap from threshold error.
+        """
+        return self.selected / self.target
+
+    @property
     def padding_overhead(self) -> float:
-        """Index-exchange padding overhead n · max_r k_r / K − 1 (0 when perfectly balanced)."""
-        if self.selected == 0:
+        """Index-exchange padding overhead n · max_r k_r / K − 1 (0 when perfectly balanced).
+
+        0 for ``shared`` and ``dense`` exchanges, which all-gather no indices.
+        """
+        if self.selected == 0 or self.exchange in ("shared", "dense"):
             return 0.0
         return self.world_size * self.max_local_selected / self.selected - 1.0
 
@@ -80,6 +97,7 @@ class StepStats:
         record.pop("extra")
         record.update(self.extra)
         record["partition"] = list(self.partition) if self.partition else None
-        for name in ("density", "target_density", "ratio_error", "padding_overhead", "traffic_ratio"):
+        derived = ("density", "target_density", "ratio_error", "build_up", "padding_overhead")
+        for name in (*derived, "traffic_ratio"):
             record[name] = getattr(self, name)
         return record

@@ -5,7 +5,9 @@ depend on data (the number of selected indices) are agreed on first, through a s
 fixed-size header that every rank sends, so a rank that disagrees is detected, not waited on.
 
 Wire bytes are modelled for ring algorithms: an all-gather of an m-byte message sends
-(n − 1)·m bytes per rank, an all-reduce of p bytes sends 2·(n − 1)/n·p bytes per rank.
+(n − 1)·m bytes per rank, an all-reduce of p bytes sends 2·(n − 1)/n·p bytes per rank, and a
+(pipelined chain) broadcast of m bytes sends m bytes from every rank but the last; each rank
+reports m, the leader's cost and an upper bound for the others.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ def all_gather_bytes(message_bytes: int, world_size: int) -> int:
 def all_reduce_bytes(payload_bytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``payload_bytes``."""
     return 2 * (world_size - 1) * payload_bytes // world_size
+
+
+def broadcast_bytes(message_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends (at most) in a pipelined broadcast of ``message_bytes``."""
+    return message_bytes if world_size > 1 else 0
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The narrowest integer type that holds every position of a vector of ``numel`` entries.
+
+    Example:
+        >>> index_dtype(1000), index_dtype(2**31 + 1)
+        (torch.int32, torch.int64)
+    """
+    return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
 class Communicator:
@@ -81,11 +98,10 @@ class Communicator:
         the positions (int64) and the bytes this rank sent. ``numel`` is the vector length,
         which decides the index width of the message (int32 whenever positions fit).
         """
-        if self.world_size == 1:
-            return local, 0
         longest = max(counts)
-        dtype = torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.long
-        message = torch.zeros(longest, dtype=dtype, device=local.device)
+        if self.world_size == 1 or longest == 0:  # counts are agreed: all ranks skip together
+            return local, 0
+        message = torch.zeros(longest, dtype=index_dtype(numel), device=local.device)
         message[: local.numel()] = local
         rows = self.all_gather_rows(message)
         pieces = [rows[rank, :count] for rank, count in enumerate(counts) if count]
@@ -96,9 +112,20 @@ class Communicator:
         return positions, sent
 
     def sum_(self, values: torch.Tensor) -> int:
-        """All-reduce ``values`` in place (sum). Returns the bytes this rank sent."""
-        if self.world_size == 1:
+        """All-reduce ``values`` in place (sum). Returns the bytes this rank sent.
+
+        The length of ``values`` must be agreed by all ranks; an empty vector is skipped.
+        """
+        if self.world_size == 1 or values.numel() == 0:
             return 0
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         return all_reduce_bytes(values.numel() * values.element_size(), self.world_size)
+
+    def broadcast_(self, message: torch.Tensor, source: int) -> int:
+        """Overwrite ``message`` on every rank with rank ``source``'s. Returns bytes sent."""
+        if self.world_size == 1:
+            return 0
+        root = source if self.group is None else dist.get_global_rank(self.group, source)
+        dist.broadcast(message, src=root, group=self.group)
+        return broadcast_bytes(message.numel() * message.element_size(), self.world_size)
 

@@ -46,7 +46,15 @@ def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
 
 
 # Importing the modules registers their sparsifiers.
-from microsparse.sparsifiers import micro  # noqa: E402,F401
+from microsparse.sparsifiers import (  # noqa: E402,F401
+    cltk,
+    deft,
+    dense,
+    hard_threshold,
+    micro,
+    sage,
+    topk,
+)
 
 __all__ = [
     "Sparsifier",

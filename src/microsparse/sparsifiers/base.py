@@ -16,9 +16,10 @@ import torch
 
 from microsparse.layout import Layout
 
-Exchange = Literal["exclusive", "union", "dense"]
+Exchange = Literal["exclusive", "union", "shared", "dense"]
 """How per-rank selections combine: ``exclusive`` (disjoint by construction, concatenated),
-``union`` (may overlap, deduplicated) or ``dense`` (no selection; plain all-reduce)."""
+``union`` (may overlap, deduplicated), ``shared`` (every rank selects the same positions, e.g.
+from a leader's plan: no index exchange) or ``dense`` (no selection; plain all-reduce)."""
 
 
 def validate_density(density: float) -> float:
@@ -39,10 +40,17 @@ class Sparsifier(ABC):
     Subclasses set ``name`` and ``exchange``, implement ``select`` and, if they adapt over
     time, ``update`` and the ``state_dict`` pair. Constructor keyword arguments are the
     user-facing options (``GradientReducer(..., sparsifier="micro", threshold_rule="as_coded")``).
+
+    Sparsifiers whose selection a leader decides set ``planned = True`` and implement the plan
+    trio. Each step the reducer then calls ``make_plan`` on the leader only, broadcasts that
+    fixed-size tensor (``empty_plan`` gives every rank its shape), and calls ``adopt_plan`` on
+    every rank before ``select``; ``adopt_plan`` returns what every rank will select, so no
+    count has to be exchanged.
     """
 
     name: ClassVar[str]
     exchange: ClassVar[Exchange]
+    planned: ClassVar[bool] = False
 
     def __init__(self, density: float) -> None:
         self.density = validate_density(density)
@@ -56,10 +64,30 @@ class Sparsifier(ABC):
 
     @abstractmethod
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
-        """Flat positions (int64, ascending) this rank proposes to send at ``step``."""
+        """Distinct flat positions (int64, any order) this rank proposes to send at ``step``."""
 
     def update(self, selected: int) -> None:
         """Observe the global selected count K of the step that just ended."""
+
+    def leader(self, step: int) -> int:
+        """The rank that makes the plan at ``step`` (planned sparsifiers): cyclic, t mod n."""
+        return step % self.world_size
+
+    def empty_plan(self, device: torch.device) -> torch.Tensor:
+        """A tensor of the plan's fixed shape and dtype, which the broadcast fills."""
+        raise NotImplementedError(f"{self.name} is not a planned sparsifier")
+
+    def make_plan(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+        """The leader's plan for ``step``, shaped like :meth:`empty_plan`. Leader only."""
+        raise NotImplementedError(f"{self.name} is not a planned sparsifier")
+
+    def adopt_plan(self, plan: torch.Tensor, step: int) -> list[int]:
+        """Take the broadcast plan; return how many positions each rank will select."""
+        raise NotImplementedError(f"{self.name} is not a planned sparsifier")
+
+    def report(self) -> dict[str, Any]:
+        """Sparsifier-specific values of the step just selected, for ``StepStats.extra``."""
+        return {}
 
     @property
     def threshold(self) -> float:
@@ -79,3 +107,42 @@ class Sparsifier(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+class Magnitudes:
+    """|a| over a whole vector in preallocated buffers, for whole-vector selection.
+
+    Allocating d floats every step costs page faults comparable to the selection itself,
+    so the magnitude and mask buffers are made once and reused.
+
+    Example:
+        >>> buffers = Magnitudes()
+        >>> magnitude = buffers.of(torch.tensor([0.5, -2.0, 0.1, 3.0]))
+        >>> buffers.at_least(magnitude, 1.0).tolist(), int(buffers.count_at_least(magnitude, 0.2))
+        ([1, 3], 3)
+    """
+
+    def __init__(self) -> None:
+        self._magnitude: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def of(self, values: torch.Tensor) -> torch.Tensor:
+        """|values|, written into the reused buffer (valid until the next call)."""
+        if self._magnitude is None or self._magnitude.shape != values.shape:
+            self._magnitude = torch.empty_like(values)
+            self._mask = torch.empty(values.shape, dtype=torch.bool, device=values.device)
+        return torch.abs(values, out=self._magnitude)
+
+    def _compare(self, magnitude: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+        assert self._mask is not None, "call of() first"
+        return torch.ge(magnitude, threshold, out=self._mask)
+
+    def count_at_least(
+        self, magnitude: torch.Tensor, threshold: float | torch.Tensor
+    ) -> torch.Tensor:
+        """How many entries of ``magnitude`` (from :meth:`of`) are >= ``threshold`` (0-d)."""
+        return self._compare(magnitude, threshold).sum()
+
+    def at_least(self, magnitude: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+        """Positions i with ``magnitude[i] >= threshold`` (int64, ascending)."""
+        return torch.nonzero(self._compare(magnitude, threshold)).squeeze(1)

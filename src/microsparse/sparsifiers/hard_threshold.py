@@ -1,0 +1,40 @@
+"""Hard threshold: a fixed λ = 1/(2·sqrt(k)) over the whole vector, on every worker."""
+
+from __future__ import annotations
+
+import torch
+
+from microsparse.layout import Layout
+from microsparse.sparsifiers import register_sparsifier
+from microsparse.sparsifiers.base import Magnitudes, Sparsifier
+from microsparse.sparsifiers.threshold import initial_threshold
+
+
+@register_sparsifier
+class HardThreshold(Sparsifier):
+    """Send every entry with |a| >= 1/(2·sqrt(k)); the threshold never changes (MICRO_SPEC §4).
+
+    One compare over all d entries per rank. Nothing ties the count to k, so the density
+    drifts with the gradient scale, and the union over ranks adds build-up.
+
+    Example:
+        >>> reducer = GradientReducer(params, "hard_threshold", density=0.001)  # doctest: +SKIP
+    """
+
+    name = "hard_threshold"
+    exchange = "union"
+
+    def __init__(self, density: float) -> None:
+        super().__init__(density)
+        self._magnitudes = Magnitudes()
+
+    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
+        super().bind(layout, rank, world_size)
+        self._threshold = initial_threshold(self.target)
+
+    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+        return self._magnitudes.at_least(self._magnitudes.of(accumulated), self._threshold)
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold
