@@ -1,0 +1,6 @@
+"""``python -m microsparse``: the same as the ``microsparse`` command."""
+
+from microsparse.cli import main
+
+if __name__ == "__main__":  # spawned workers import this module too; they must not re-run main
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Process launching: n local workers through ``torch.multiprocessing.spawn``, or one per
+process under ``torchrun`` (which is how the same command scales to several machines)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from multiprocessing.queues import SimpleQueue
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
+
+from microsparse.training.loop import TrainConfig, train
+
+_MAX_MESSAGE = 2000  # characters of a worker's error that are passed back to the parent
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message names its rank and its exception."""
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The process's place in a job started by ``torchrun``."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv | None:
+    """The torchrun variables of ``environ`` (default ``os.environ``), or None if absent.
+
+    Example:
+        >>> torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h"})
+        TorchrunEnv(rank=1, world_size=2, local_rank=1, local_world_size=2)
+        >>> torchrun_env({}) is None
+        True
+    """
+    environ = dict(os.environ) if environ is None else environ
+    if not all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        return None
+    world_size = int(environ["WORLD_SIZE"])
+    return TorchrunEnv(
+        rank=int(environ["RANK"]),
+        world_size=world_size,
+        local_rank=int(environ["LOCAL_RANK"]),
+        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )
+
+
+def launch(config: TrainConfig, workers: int) -> None:
+    """Run :func:`~microsparse.training.loop.train` on every rank; raise WorkerError if one fails.
+
+    Under torchrun this process is one rank and ``workers`` is ignored (the caller checks it
+    against WORLD_SIZE); otherwise ``workers`` local processes are spawned.
+
+    Example:
+        >>> launch(TrainConfig(max_steps=5, out="runs/smoke"), workers=2)  # doctest: +SKIP
+    """
+    env = torchrun_env()
+    if env is None:
+        _spawn(config, workers)
+        return
+    try:
+        _run_rank(config, env.local_rank, env.local_world_size, "env://", env.rank, env.world_size)
+    except Exception as error:
+        raise WorkerError(_describe(env.rank, error)) from error
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _spawn(config: TrainConfig, workers: int) -> None:
+    errors = mp.get_context("spawn").SimpleQueue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    try:
+        mp.spawn(_spawned, args=(config, workers, init_method, errors), nprocs=workers)
+    except ProcessException as failure:
+        # Blame the rank that exited first: the others often fail only because it vanished.
+        rank = failure.error_index
+        reports: dict[int, str] = {}
+        while not errors.empty():
+            reporter, text = errors.get()
+            reports.setdefault(reporter, text)
+        last_line = str(failure).strip().splitlines()[-1]  # e.g. "terminated with signal ..."
+        message = reports.get(rank, f"rank {rank}: {last_line}")
+        if isinstance(failure, ProcessRaisedException):
+            log = Path(config.out, "error.log")
+            log.write_text(str(failure), encoding="utf-8")
+            message += f" (traceback in {log})"
+        raise WorkerError(message) from None
+
+
+def _spawned(
+    local_rank: int, config: TrainConfig, workers: int, init_method: str, errors: SimpleQueue
+) -> None:
+    try:
+        _run_rank(config, local_rank, workers, init_method, local_rank, workers)
+    except BaseException as error:
+        errors.put((local_rank, _describe(local_rank, error)))
+        raise
+
+
+def _run_rank(
+    config: TrainConfig,
+    local_rank: int,
+    local_workers: int,
+    init_method: str,
+    rank: int,
+    world_size: int,
+) -> None:
+    # spawn does not set OMP_NUM_THREADS: without this every worker would use every core.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
+    backend = "gloo"
+    if config.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        train(config, local_rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _describe(rank: int, error: BaseException) -> str:
+    text = " ".join(str(error).split()) or "(no message)"
+    return f"rank {rank}: {type(error).__name__}: {text}"[:_MAX_MESSAGE]
