@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
-    """Spawn ``world_size`` processes in one gloo group; return ``fn(rank, world_size, *args)`` per rank.
+    """Spawn ``world_size`` gloo ranks; return what ``fn(rank, world_size, *args)`` gave on each.
 
     ``fn`` must be a module-level function. An exception in any rank fails the caller with that
     rank's traceback.
@@ -23,10 +23,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     init = tmp_path / f"init-{os.getpid()}-{id(fn)}-{world_size}"
     init.unlink(missing_ok=True)
     mp.spawn(_worker, args=(world_size, str(init), str(tmp_path), fn, args), nprocs=world_size)
-    return [torch.load(tmp_path / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)]
+    return [
+        torch.load(tmp_path / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)
+    ]
 
 
-def _worker(rank: int, world_size: int, init: str, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, init: str, out: str, fn: Callable[..., Any], args: tuple
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
     try:

@@ -9,19 +9,20 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from distributed import run_ranks
-from reference import reference_factor, reference_partitions
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse.ddp as mddp
+from distributed import run_ranks
 from microsparse import NonFiniteGradientError
+from reference import reference_factor, reference_partitions
 
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 4))
+    return nn.Sequential(
+        nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 4)
+    )
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -44,15 +45,21 @@ def density_one_worker(rank: int, n: int) -> list[bool]:
 
 def same_as_stock_ddp(rank: int, sparsifier: str, bucket_view: bool, static: bool) -> bool:
     plain, hooked = mlp(), mlp()
-    stock = DDP(plain, gradient_as_bucket_view=bucket_view, static_graph=static, bucket_cap_mb=0.005)
-    ours = DDP(hooked, gradient_as_bucket_view=bucket_view, static_graph=static, bucket_cap_mb=0.005)
+    stock = DDP(
+        plain, gradient_as_bucket_view=bucket_view, static_graph=static, bucket_cap_mb=0.005
+    )
+    ours = DDP(
+        hooked, gradient_as_bucket_view=bucket_view, static_graph=static, bucket_cap_mb=0.005
+    )
     ours.register_comm_hook(mddp.SparseState(sparsifier, density=1.0), mddp.sparse_hook)
     equal = True
     for step in range(4):
         for model in (stock, ours):
             model.zero_grad()
             model(batch(step, rank)).pow(2).mean().backward()
-        equal &= all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters()))
+        equal &= all(
+            torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), hooked.parameters())
+        )
     return equal
 
 
@@ -78,8 +85,20 @@ class Probe(nn.Module):
 
 
 def probe_gradient(step: int, rank: int) -> torch.Tensor:
-    scales = torch.cat([torch.full((200,), 0.3), torch.full((300,), 1.0), torch.full((7,), 0.01), torch.full((93,), 3.0)])
-    return torch.randn(600, generator=torch.Generator().manual_seed(7 * step + rank), dtype=torch.float64) * scales
+    scales = torch.cat(
+        [
+            torch.full((200,), 0.3),
+            torch.full((300,), 1.0),
+            torch.full((7,), 0.01),
+            torch.full((93,), 3.0),
+        ]
+    )
+    return (
+        torch.randn(
+            600, generator=torch.Generator().manual_seed(7 * step + rank), dtype=torch.float64
+        )
+        * scales
+    )
 
 
 def rebuild_worker(rank: int, n: int, static: bool, steps: int) -> dict:
@@ -103,7 +122,9 @@ def rebuild_worker(rank: int, n: int, static: bool, steps: int) -> dict:
     return {"grads": grads, "thresholds": thresholds, "layouts": layouts}
 
 
-def per_parameter_reference(n: int, steps: int, density: float) -> tuple[list[np.ndarray], list[float]]:
+def per_parameter_reference(
+    n: int, steps: int, density: float
+) -> tuple[list[np.ndarray], list[float]]:
     """MiCRO of the hook, written plainly: dense first pass, then per-parameter slices."""
     sizes = [200, 300, 7, 93]
     offsets = np.cumsum([0, *sizes])
@@ -122,7 +143,11 @@ def per_parameter_reference(n: int, steps: int, density: float) -> tuple[list[np
         for r in range(n):
             for p, size in enumerate(sizes):
                 start, end = reference_partitions(size, n)[(step + r) % n]
-                sent += [offsets[p] + i for i in range(start, end) if abs(accumulated[r][offsets[p] + i]) >= threshold]
+                sent += [
+                    offsets[p] + i
+                    for i in range(start, end)
+                    if abs(accumulated[r][offsets[p] + i]) >= threshold
+                ]
         average = np.zeros(600)
         for i in sent:
             average[i] = sum(accumulated[r][i] for r in range(n)) / n
@@ -136,7 +161,9 @@ def per_parameter_reference(n: int, steps: int, density: float) -> tuple[list[np
 
 
 @pytest.mark.parametrize(("n", "static"), [(2, False), (3, True)])
-def test_selections_follow_the_per_parameter_rule_across_the_bucket_rebuild(n: int, static: bool, tmp_path) -> None:
+def test_selections_follow_the_per_parameter_rule_across_the_bucket_rebuild(
+    n: int, static: bool, tmp_path
+) -> None:
     steps = 8
     ranks = run_ranks(rebuild_worker, n, tmp_path, static, steps)
     layouts = ranks[0]["layouts"]
@@ -149,7 +176,9 @@ def test_selections_follow_the_per_parameter_rule_across_the_bucket_rebuild(n: i
         for r in range(n):
             assert torch.equal(ranks[r]["grads"][step], ranks[0]["grads"][step])
             assert ranks[r]["thresholds"][step] == thresholds[step], (step, r)
-            np.testing.assert_allclose(ranks[r]["grads"][step].numpy(), expected[step], rtol=1e-12, atol=1e-15)
+            np.testing.assert_allclose(
+                ranks[r]["grads"][step].numpy(), expected[step], rtol=1e-12, atol=1e-15
+            )
 
 
 class Stream(nn.Module):
@@ -196,7 +225,11 @@ def resume_worker(rank: int, n: int, steps: int, stop_at: int) -> list[torch.Ten
     model, ddp, optimizer, state = fresh()
     train(ddp, range(stop_at), rank, optimizer)
     checkpoint = copy.deepcopy(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "hook": state.state_dict()}
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "hook": state.state_dict(),
+        }
     )
     train(ddp, range(stop_at, steps), rank, optimizer)
     uninterrupted = [p.detach().clone() for p in model.parameters()]
@@ -270,7 +303,12 @@ def test_nonfinite_gradient_fails_every_rank(tmp_path) -> None:
 
 def bad_options_worker(rank: int, n: int) -> list[str]:
     messages = []
-    for kwargs in ({"sparsifier": "sage"}, {"density": 0}, {"capacity_factor": 0.5}, {"threshold_rule": "x"}):
+    for kwargs in (
+        {"sparsifier": "sage"},
+        {"density": 0},
+        {"capacity_factor": 0.5},
+        {"threshold_rule": "x"},
+    ):
         try:
             mddp.SparseState(**kwargs)
         except ValueError as error:
@@ -280,4 +318,9 @@ def bad_options_worker(rank: int, n: int) -> list[str]:
 
 def test_bad_options_name_the_argument(tmp_path) -> None:
     (messages,) = run_ranks(bad_options_worker, 1, tmp_path)
-    assert [m.split(" ")[0] for m in messages] == ["sparsifier", "density", "capacity_factor", "threshold_rule"]
+    assert [m.split(" ")[0] for m in messages] == [
+        "sparsifier",
+        "density",
+        "capacity_factor",
+        "threshold_rule",
+    ]

@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from distributed import run_ranks
-from reference import micro_reference, reference_partitions
 
+from distributed import run_ranks
 from microsparse import GradientReducer
+from reference import micro_reference, reference_partitions
 
 # Three parameters of d = 103 entries (not divisible by 2, 3 or 4). The first block is tiny,
 # so the rank owning it often selects nothing and must send its fallback position.
@@ -19,7 +19,9 @@ SHAPES = [(30,), (7, 8), (17,)]
 SCALES = [1e-3, 0.2, 1.0]
 
 
-def make_gradients(steps: int, n: int, shapes: list[tuple[int, ...]], seed: int) -> list[list[np.ndarray]]:
+def make_gradients(
+    steps: int, n: int, shapes: list[tuple[int, ...]], seed: int
+) -> list[list[np.ndarray]]:
     rng = np.random.default_rng(seed)
     scales = np.concatenate([np.full(math.prod(s), SCALES[i % 3]) for i, s in enumerate(shapes)])
     return [[rng.standard_normal(scales.size) * scales for _ in range(n)] for _ in range(steps)]
@@ -28,7 +30,8 @@ def make_gradients(steps: int, n: int, shapes: list[tuple[int, ...]], seed: int)
 def cases(n: int) -> list[dict]:
     steps = 2 * n + 4  # every partition owned by every rank at least twice
     out = [
-        {"shapes": SHAPES, "density": 0.05, "rule": rule, "steps": steps} for rule in ("symmetric", "as_coded")
+        {"shapes": SHAPES, "density": 0.05, "rule": rule, "steps": steps}
+        for rule in ("symmetric", "as_coded")
     ]
     out.append({"shapes": SHAPES, "density": 0.001, "rule": "symmetric", "steps": steps})  # δ·d < 1
     out.append({"shapes": [(1,)], "density": 0.5, "rule": "as_coded", "steps": steps})  # d <= n
@@ -51,7 +54,13 @@ def run_cases(rank: int, n: int, all_cases: list[dict]) -> list[list[dict]]:
                 p.grad = chunk.view(p.shape).clone()
             stats = reducer.synchronize()
             aggregated = torch.cat([p.grad.flatten() for p in params]).numpy().copy()
-            steps.append({"aggregated": aggregated, "residual": reducer.residual.numpy().copy(), "stats": stats})
+            steps.append(
+                {
+                    "aggregated": aggregated,
+                    "residual": reducer.residual.numpy().copy(),
+                    "stats": stats,
+                }
+            )
         results.append(steps)
     return results
 
@@ -74,7 +83,9 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
                 assert np.array_equal(got[r]["aggregated"], got[0]["aggregated"]), where
                 assert got[r]["stats"].threshold == want["threshold"], where
                 assert got[r]["stats"].selected == want["selected"], where
-                np.testing.assert_allclose(got[r]["aggregated"], want["aggregated"], rtol=1e-12, atol=0, err_msg=where)
+                np.testing.assert_allclose(
+                    got[r]["aggregated"], want["aggregated"], rtol=1e-12, atol=0, err_msg=where
+                )
                 assert np.array_equal(got[r]["residual"], want["residuals"][r]), where
                 # The positions sent are exactly the zeros of the new residual (gradients are
                 # continuous, so no accumulated value is exactly 0); rank r's own are those in
@@ -88,13 +99,19 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
             # No build-up: owned partitions are disjoint and cover the vector; K = Σ k_r.
             owned = sorted(got[r]["stats"].partition for r in range(n))
             assert owned == partitions, where
-            assert sum(got[r]["stats"].local_selected for r in range(n)) == got[0]["stats"].selected, where
+            assert (
+                sum(got[r]["stats"].local_selected for r in range(n)) == got[0]["stats"].selected
+            ), where
 
             # Conservation of error feedback: Σ_r a_r = n · aggregated + Σ_r e_r.
             accumulated = [previous[r] + gradients[t][r] for r in range(n)]
             residuals = [got[r]["residual"] for r in range(n)]
             np.testing.assert_allclose(
-                sum(accumulated), n * got[0]["aggregated"] + sum(residuals), rtol=1e-12, atol=1e-15, err_msg=where
+                sum(accumulated),
+                n * got[0]["aggregated"] + sum(residuals),
+                rtol=1e-12,
+                atol=1e-15,
+                err_msg=where,
             )
             previous = residuals
 

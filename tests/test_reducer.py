@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from distributed import run_ranks
 
+from distributed import run_ranks
 from microsparse import GradientReducer
 
 
@@ -25,7 +25,11 @@ def resume_worker(rank: int, n: int, steps: int, stop_at: int) -> dict:
             reducer.load_state_dict(state)
         param.grad = gradient(step, rank, 300)
         reducer.synchronize()
-    return {"grad": param.grad.clone(), "residual": reducer.residual.clone(), "threshold": reducer.sparsifier.threshold}
+    return {
+        "grad": param.grad.clone(),
+        "residual": reducer.residual.clone(),
+        "threshold": reducer.sparsifier.threshold,
+    }
 
 
 def test_resumed_reducer_continues_exactly(tmp_path) -> None:
@@ -58,7 +62,9 @@ def test_half_precision_parameters_keep_a_float32_residual() -> None:
     assert param.grad.dtype == torch.bfloat16
     # Nothing is lost: what was sent plus what was kept is what came in (one worker).
     sent = param.grad.float()
-    torch.testing.assert_close(sent + reducer.residual, fresh.to(torch.bfloat16).float(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(
+        sent + reducer.residual, fresh.to(torch.bfloat16).float(), rtol=1e-2, atol=0
+    )
 
 
 def test_unused_parameter_counts_as_zero_gradient_and_receives_the_average() -> None:

@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from distributed import run_ranks
 
 import microsparse
+from distributed import run_ranks
 from microsparse import ConfigMismatchError, GradientReducer, NonFiniteGradientError
 
 
@@ -46,8 +46,12 @@ def test_unknown_threshold_rule() -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
 def test_non_floating_parameters(dtype: torch.dtype) -> None:
     bad = torch.zeros(3, dtype=dtype)
-    with pytest.raises(TypeError, match=rf"params: codes has dtype {dtype}; only real floating-point"):
-        GradientReducer([("weight", torch.zeros(3, requires_grad=True)), ("codes", bad)], "micro", 0.1)
+    with pytest.raises(
+        TypeError, match=rf"params: codes has dtype {dtype}; only real floating-point"
+    ):
+        GradientReducer(
+            [("weight", torch.zeros(3, requires_grad=True)), ("codes", bad)], "micro", 0.1
+        )
 
 
 def test_no_trainable_parameters() -> None:
@@ -71,7 +75,9 @@ def test_nonfinite_gradient_on_one_worker_process() -> None:
     reducer = GradientReducer(model, "micro", 0.5)
     model(torch.randn(2, 4)).sum().backward()
     model.bias.grad[1] = math.inf
-    with pytest.raises(NonFiniteGradientError, match=r"step 0: NaN or Inf gradient on rank\(s\) \[0\]; .* bias"):
+    with pytest.raises(
+        NonFiniteGradientError, match=r"step 0: NaN or Inf gradient on rank\(s\) \[0\]; .* bias"
+    ):
         reducer.synchronize()
 
 
@@ -119,7 +125,10 @@ def mismatch_worker(rank: int, n: int, what: str) -> str:
     [
         ("density", "ranks disagree on the reducer configuration"),
         ("shape", "ranks disagree on the reducer configuration"),
-        ("step", r"called synchronize\(\) a different number of times \(steps per rank: \[0, 7\]\)"),
+        (
+            "step",
+            r"called synchronize\(\) a different number of times \(steps per rank: \[0, 7\]\)",
+        ),
     ],
 )
 def test_disagreeing_ranks_are_detected_not_deadlocked(what: str, message: str, tmp_path) -> None:

@@ -30,7 +30,10 @@ class Layout:
             offsets.append(offset)
             offset += tensor.numel()
         return cls(
-            tuple(name for name, _ in named), tuple(t.shape for _, t in named), tuple(offsets), offset
+            tuple(name for name, _ in named),
+            tuple(t.shape for _, t in named),
+            tuple(offsets),
+            offset,
         )
 
     @property

@@ -51,11 +51,13 @@ class GradientReducer:
     shapes, sparsifier and options, or all ranks raise :class:`microsparse.ConfigMismatchError`.
 
     Example:
-        >>> reducer = microsparse.GradientReducer(model.parameters(), "micro", density=0.001)  # doctest: +SKIP
-        >>> loss.backward()                                                                   # doctest: +SKIP
-        >>> stats = reducer.synchronize()    # p.grad is now the sparse average                # doctest: +SKIP
-        >>> optimizer.step()                                                                  # doctest: +SKIP
-        >>> stats.selected, stats.target, stats.threshold                                     # doctest: +SKIP
+        >>> import torch, microsparse
+        >>> model = torch.nn.Linear(100, 10)
+        >>> reducer = microsparse.GradientReducer(model.parameters(), "micro", density=0.01)
+        >>> model(torch.randn(4, 100)).sum().backward()
+        >>> stats = reducer.synchronize()  # every p.grad is now the sparse average over ranks
+        >>> stats.target  # k = floor(0.01 * 1010)
+        10
     """
 
     def __init__(
@@ -321,7 +323,8 @@ def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torc
         name, tensor = item if isinstance(item, tuple) else (f"parameter {index}", item)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
-                f"params must hold tensors or (name, tensor) pairs; item {index} is {type(tensor).__name__}"
+                "params must hold tensors or (name, tensor) pairs; "
+                f"item {index} is {type(tensor).__name__}"
             )
         if not tensor.is_floating_point():
             raise TypeError(
@@ -340,7 +343,9 @@ def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torc
         )
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError(f"params: all parameters must be on one device, found {sorted(map(str, devices))}")
+        raise ValueError(
+            f"params: all parameters must be on one device, found {sorted(map(str, devices))}"
+        )
     return names, tensors
 
 

@@ -15,7 +15,7 @@ class StepStats:
 
     Example:
         >>> stats = reducer.last_step  # doctest: +SKIP
-        >>> print(f"K/k = {stats.selected / stats.target:.2f}, λ = {stats.threshold:.3g}")  # doctest: +SKIP
+        >>> stats.selected / stats.target, stats.threshold  # doctest: +SKIP
     """
 
     step: int
@@ -37,7 +37,7 @@ class StepStats:
     partition: tuple[int, int] | None
     """Half-open range [start, end) this rank selected from, for partitioned sparsifiers."""
     bytes_sent: int
-    """Bytes this rank sends on the wire, modelled for ring collectives (see ``microsparse.comm``)."""
+    """Bytes this rank sends on the wire, modelled for ring collectives (``microsparse.comm``)."""
     dense_bytes: int
     """Bytes the same rank would send for a dense ring all-reduce of all d values."""
     select_seconds: float

@@ -19,6 +19,10 @@ import torch.distributed as dist
 
 from microsparse.errors import ConfigMismatchError
 
+# ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns on every call
+# in recent torch); both gather equal-size inputs of every rank into one flat output.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def all_gather_bytes(message_bytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-gather of ``message_bytes`` per rank."""
@@ -77,7 +81,7 @@ class Communicator:
         if self.world_size == 1:
             return row.unsqueeze(0)
         out = row.new_empty(self.world_size * row.numel())
-        dist.all_gather_into_tensor(out, row.contiguous(), group=self.group)
+        all_gather_flat(out, row.contiguous(), group=self.group)
         return out.view(self.world_size, row.numel())
 
     def check_agreement(self, what: str, values: Sequence[int], device: torch.device) -> None:
@@ -128,4 +132,3 @@ class Communicator:
         root = source if self.group is None else dist.get_global_rank(self.group, source)
         dist.broadcast(message, src=root, group=self.group)
         return broadcast_bytes(message.numel() * message.element_size(), self.world_size)
-

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microsparse.comm import all_gather_bytes, all_reduce_bytes
+from microsparse.comm import all_gather_bytes, all_gather_flat, all_reduce_bytes
 from microsparse.ddp.memory import BucketMemory
 from microsparse.ddp.state import SparseState, accumulator_dtype
 from microsparse.errors import NonFiniteGradientError
@@ -69,7 +69,11 @@ def _average_dense(
 
     def done(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         state.record(
-            numel=numel, selected=numel, bytes_sent=dense, dense_bytes=dense, select_seconds=select_seconds
+            numel=numel,
+            selected=numel,
+            bytes_sent=dense,
+            dense_bytes=dense,
+            select_seconds=select_seconds,
         )
         return future.value()[0]
 
@@ -93,7 +97,7 @@ def _average_sparse(
     message[_CANDIDATES] = candidates
     message[_HEADER : _HEADER + local.numel()] = local
     rows = message.new_empty(n * message.numel())
-    gathered = dist.all_gather_into_tensor(rows, message, group=state.index_group, async_op=True)
+    gathered = all_gather_flat(rows, message, group=state.index_group, async_op=True)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
@@ -154,7 +158,9 @@ def _average_sparse(
     return result
 
 
-def _select(state: SparseState, memory: BucketMemory, residual: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _select(
+    state: SparseState, memory: BucketMemory, residual: torch.Tensor
+) -> tuple[torch.Tensor, int, int]:
     """This rank's positions (ascending), how many passed the rule, and the message capacity."""
     if state.sparsifier == "topk":
         count = min(state.topk_count(memory.numel), memory.numel)
@@ -172,7 +178,9 @@ def _select(state: SparseState, memory: BucketMemory, residual: torch.Tensor) ->
     return chosen, candidates, capacity
 
 
-def _failing_into(result: torch.futures.Future[torch.Tensor], step: Callable[..., None]) -> Callable[..., None]:
+def _failing_into(
+    result: torch.futures.Future[torch.Tensor], step: Callable[..., None]
+) -> Callable[..., None]:
     """Wrap a callback so that an error fails ``result`` (DDP then raises it) instead of hanging."""
 
     def guarded(*args: Any) -> None:

@@ -25,7 +25,11 @@ class BucketMemory:
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], world_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        params: Sequence[torch.Tensor],
+        world_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.key = tuple(id(p) for p in params)
         sizes = [p.numel() for p in params]
@@ -41,7 +45,9 @@ class BucketMemory:
             for index, (start, end) in enumerate(contiguous_partitions(size, world_size)):
                 by_slice[index].append(torch.arange(offset + start, offset + end))
             offset += size
-        pieces = [torch.cat(group) if group else torch.empty(0, dtype=torch.long) for group in by_slice]
+        pieces = [
+            torch.cat(group) if group else torch.empty(0, dtype=torch.long) for group in by_slice
+        ]
         self.plan = torch.cat(pieces).to(device)
         bounds = [0]
         for piece in pieces:

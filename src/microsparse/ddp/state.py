@@ -24,6 +24,7 @@ HOOK_SPARSIFIERS = ("micro", "topk", "dense")
 class _PassTotals:
     """Sums over the buckets of one backward pass, filled in by completion callbacks."""
 
+    step: int = 0
     numel: int = 0
     selected: int = 0
     candidates: int = 0
@@ -69,14 +70,22 @@ class SparseState:
     ) -> None:
         if sparsifier not in HOOK_SPARSIFIERS:
             raise ValueError(
-                f"sparsifier must be one of {', '.join(HOOK_SPARSIFIERS)} for the DDP hook; got {sparsifier!r}"
+                f"sparsifier must be one of {', '.join(HOOK_SPARSIFIERS)} for the DDP hook; "
+                f"got {sparsifier!r}"
             )
         if threshold_rule not in THRESHOLD_RULES:
             raise ValueError(
-                f"threshold_rule must be one of {', '.join(THRESHOLD_RULES)}; got {threshold_rule!r}"
+                f"threshold_rule must be one of {', '.join(THRESHOLD_RULES)}; "
+                f"got {threshold_rule!r}"
             )
-        if not isinstance(capacity_factor, (int, float)) or not math.isfinite(capacity_factor) or capacity_factor < 1:
-            raise ValueError(f"capacity_factor must be a finite number >= 1, got {capacity_factor!r}")
+        if (
+            not isinstance(capacity_factor, (int, float))
+            or not math.isfinite(capacity_factor)
+            or capacity_factor < 1
+        ):
+            raise ValueError(
+                f"capacity_factor must be a finite number >= 1, got {capacity_factor!r}"
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "SparseState needs torch.distributed: call init_process_group before building it"
@@ -116,7 +125,9 @@ class SparseState:
         return self.controller.threshold if self.controller else math.nan
 
     def micro_capacity(self, bucket_numel: int) -> int:
-        return max(1, math.ceil(self.capacity_factor * self.density * bucket_numel / self.world_size))
+        return max(
+            1, math.ceil(self.capacity_factor * self.density * bucket_numel / self.world_size)
+        )
 
     def topk_count(self, bucket_numel: int) -> int:
         return max(1, math.floor(self.density * bucket_numel))
@@ -129,7 +140,7 @@ class SparseState:
             if self.controller is not None and self._previous_candidates is not None:
                 self.controller.update(self._previous_candidates)
             self._previous_candidates = None
-            self._totals = _PassTotals()
+            self._totals = _PassTotals(step=self.step)
             self.launcher.reset()
         return self._sequence
 
@@ -162,7 +173,7 @@ class SparseState:
         elif self.controller is not None:
             self._previous_candidates = totals.candidates
         self.last_step = StepStats(
-            step=self.step,
+            step=totals.step,
             numel=totals.numel,
             world_size=self.world_size,
             selected=totals.selected,
@@ -221,7 +232,8 @@ class SparseState:
         """
         if state["config"] != self._config():
             raise ValueError(
-                f"load_state_dict: saved with options {state['config']}, this state has {self._config()}"
+                f"load_state_dict: saved with options {state['config']}, "
+                f"this state has {self._config()}"
             )
         self.residuals.restore(state["residuals"])
         self.step = int(state["step"])
@@ -249,7 +261,11 @@ class MicroState(SparseState):
         capacity_factor: float = 2.0,
     ) -> None:
         super().__init__(
-            "micro", density, process_group, threshold_rule=threshold_rule, capacity_factor=capacity_factor
+            "micro",
+            density,
+            process_group,
+            threshold_rule=threshold_rule,
+            capacity_factor=capacity_factor,
         )
 
 

@@ -37,11 +37,15 @@ def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
             f"sparsifier must be one of {', '.join(available_sparsifiers())}; got {name!r}"
         )
     cls = _REGISTRY[name]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "density")]
+    accepted = [
+        p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "density")
+    ]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         hint = f"it accepts: {', '.join(accepted)}" if accepted else "it takes no options"
-        raise ValueError(f"sparsifier {name!r} has no option {', '.join(map(repr, unknown))}; {hint}")
+        raise ValueError(
+            f"sparsifier {name!r} has no option {', '.join(map(repr, unknown))}; {hint}"
+        )
     return cls(density, **options)
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.layout import Layout
+from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
 from microsparse.sparsifiers.partition import contiguous_partitions, owned_partition
 from microsparse.sparsifiers.threshold import ThresholdController, ThresholdRule

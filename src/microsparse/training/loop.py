@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from microsparse.ddp import SparseState, sparse_hook
 from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
 from microsparse.training.data import Split, load_mnist, shard_batches
@@ -42,6 +44,7 @@ class TrainConfig:
     device: str = "cpu"  # "cpu" or "cuda" (one GPU per local rank)
     max_steps: int | None = None  # stop after this many steps, even mid-epoch
     progress: bool = True  # tqdm bar on rank 0
+    integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
 
     def sparsifier_options(self) -> dict[str, Any]:
         return {} if self.threshold_rule is None else {"threshold_rule": self.threshold_rule}
@@ -64,9 +67,7 @@ def train(config: TrainConfig, local_rank: int = 0) -> None:
     model = build_model(config.seed).to(device)
     for parameter in model.parameters():  # identical start on every rank, whatever its RNG did
         dist.broadcast(parameter.data, src=0)
-    reducer = GradientReducer(
-        model.named_parameters(), config.sparsifier, config.density, **config.sparsifier_options()
-    )
+    averaging = Averaging(model, config)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     steps_per_epoch = len(train_set.labels) // (config.batch_size * world_size)
     if steps_per_epoch == 0:
@@ -87,11 +88,13 @@ def train(config: TrainConfig, local_rank: int = 0) -> None:
         for batch in batches[: total_steps - step].to(device):
             step_started = time.perf_counter()
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(train_set.inputs[batch]), train_set.labels[batch])
+            loss = F.cross_entropy(
+                averaging.model(train_set.inputs[batch]), train_set.labels[batch]
+            )
             loss.backward()
             _wait_for(device)
             compute_seconds = time.perf_counter() - step_started
-            stats = reducer.synchronize()
+            stats = averaging.synchronize()
             optimizer.step()
             mean_loss = _mean_over_ranks(loss.detach())
             step_seconds = time.perf_counter() - step_started
@@ -104,7 +107,44 @@ def train(config: TrainConfig, local_rank: int = 0) -> None:
         if step == total_steps:
             break
     if log:
-        log.finish(reducer, world_size, time.perf_counter() - started)
+        log.finish(averaging.options(), world_size, time.perf_counter() - started)
+
+
+class Averaging:
+    """How gradients are averaged: ``GradientReducer`` after backward, or DDP's comm hook.
+
+    With ``ddp`` the exchange overlaps the backward pass, so the step's compute time includes
+    what of it was not hidden, and the statistics come from the hook's state.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainConfig) -> None:
+        self.model = model
+        self._reducer: GradientReducer | None = None
+        self._state: SparseState | None = None
+        options = config.sparsifier_options()
+        if config.integration == "ddp":
+            self._state = SparseState(config.sparsifier, config.density, **options)
+            self.model = DistributedDataParallel(model)
+            self.model.register_comm_hook(self._state, sparse_hook)
+        else:
+            self._reducer = GradientReducer(
+                model.named_parameters(), config.sparsifier, config.density, **options
+            )
+
+    def synchronize(self) -> StepStats:
+        if self._reducer is not None:
+            return self._reducer.synchronize()
+        assert self._state is not None and self._state.last_step is not None
+        return self._state.last_step
+
+    def options(self) -> dict[str, Any]:
+        if self._reducer is not None:
+            return self._reducer.sparsifier.options()
+        assert self._state is not None
+        return {
+            "threshold_rule": self._state.threshold_rule,
+            "capacity_factor": self._state.capacity_factor,
+        }
 
 
 @torch.no_grad()
@@ -197,15 +237,13 @@ class RunLog:
             f"test accuracy {test_accuracy:.4f}, {record['seconds']:.1f} s"
         )
 
-    def finish(self, reducer: GradientReducer, world_size: int, wall_seconds: float) -> None:
+    def finish(self, options: dict[str, Any], world_size: int, wall_seconds: float) -> None:
         self._bar.close()
         self._metrics.close()
         self._epoch_file.close()
         summary = summarize(self.config, self.records, self.epochs, wall_seconds)
-        summary["config"].update(
-            world_size=world_size, sparsifier_options=reducer.sparsifier.options()
-        )
-        summary.update(parameters=reducer.layout.numel, target=reducer.sparsifier.target)
+        summary["config"].update(world_size=world_size, sparsifier_options=options)
+        summary.update(parameters=self.records[-1]["numel"], target=self.records[-1]["target"])
         (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
         print(format_summary(summary, self.out))
 
@@ -233,7 +271,9 @@ def summarize(
         part: math.fsum(r[f"{part}_seconds"] for r in records)
         for part in ("compute", "select", "exchange")
     }
-    totals["other"] = step_total - sum(totals.values())
+    # Under DDP the hook's selection and exchange run inside backward (timed as compute).
+    inside = 0.0 if config.integration == "ddp" else totals["select"] + totals["exchange"]
+    totals["other"] = step_total - totals["compute"] - inside
     sent, dense = (sum(r[key] for r in records) for key in ("bytes_sent", "dense_bytes"))
     return {
         "config": asdict(config),
@@ -259,7 +299,8 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
     first, last = summary["after_warmup_steps"]
     lines = [
         f"{config['sparsifier']} at density {config['density']:g}, {config['world_size']} "
-        f"workers: {summary['steps']} steps in {summary['seconds']['wall']:.1f} s",
+        f"workers, {config['integration']} integration: {summary['steps']} steps in "
+        f"{summary['seconds']['wall']:.1f} s",
         f"  test accuracy {summary['test_accuracy']:.4f}, final loss {summary['final_loss']:.4f}",
         f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
         f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",

@@ -1,21 +1,17 @@
-"""The ``microsparse`` command line.
-
-Example:
-    $ microsparse train --workers 4 --density 0.001 --out runs/micro
-    $ torchrun --nnodes 2 --nproc-per-node 8 ... -m microsparse train --device cuda
-"""
+"""``microsparse train``: data-parallel training, spawned locally or run under torchrun."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from microsparse.sparsifiers import available_sparsifiers, create_sparsifier, validate_density
+from microsparse.cli import arguments
+from microsparse.ddp.state import HOOK_SPARSIFIERS
+from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
 from microsparse.training.data import load_mnist
 from microsparse.training.launch import WorkerError, launch, torchrun_env
@@ -25,23 +21,8 @@ DEFAULT_WORKERS = 4
 DEFAULTS = TrainConfig()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``microsparse`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
-
-    Example:
-        >>> main(["train", "--workers", "2", "--max-steps", "5"])  # doctest: +SKIP
-        0
-    """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return args.run(args, args.parser)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="microsparse", description="MiCRO gradient sparsification for data-parallel training."
-    )
-    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """Add ``microsparse train`` to the command parsers."""
     train = commands.add_parser(
         "train",
         help="data-parallel training of a small CNN on 5,000 MNIST digits",
@@ -52,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = train.add_argument
     add(
         "--workers",
-        type=_positive_int,
+        type=arguments.positive_int,
         default=None,
         help=f"local worker processes (default {DEFAULT_WORKERS}; under torchrun: WORLD_SIZE)",
     )
@@ -64,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--density",
-        type=_density,
+        type=arguments.density,
         default=DEFAULTS.density,
         help="fraction of gradient entries sent per step, in (0, 1] (default: %(default)s)",
     )
@@ -74,22 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="MiCRO's threshold correction (default: the sparsifier's own, symmetric)",
     )
-    add("--epochs", type=_positive_int, default=DEFAULTS.epochs, help="(default: %(default)s)")
+    add(
+        "--epochs",
+        type=arguments.positive_int,
+        default=DEFAULTS.epochs,
+        help="(default: %(default)s)",
+    )
     add(
         "--batch-size",
-        type=_positive_int,
+        type=arguments.positive_int,
         default=DEFAULTS.batch_size,
         help="per worker (default: %(default)s)",
     )
     add(
         "--lr",
-        type=_positive_float,
+        type=arguments.positive_float,
         default=DEFAULTS.lr,
         help="SGD learning rate (default: %(default)s)",
     )
     add(
         "--momentum",
-        type=_momentum,
+        type=arguments.momentum,
         default=DEFAULTS.momentum,
         help="SGD momentum, in [0, 1) (default: %(default)s)",
     )
@@ -108,10 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto picks cuda when available; cuda runs one worker per GPU with NCCL, "
         "cpu uses gloo (default: %(default)s)",
     )
-    add("--max-steps", type=_positive_int, default=None, help="stop after this many steps")
+    add(
+        "--integration",
+        choices=("loop", "ddp"),
+        default="loop",
+        help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
+        f"with the sparse comm hook (sparsifiers {', '.join(HOOK_SPARSIFIERS)}) "
+        "(default: %(default)s)",
+    )
+    add("--max-steps", type=arguments.positive_int, default=None, help="stop after this many steps")
     add("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train, parser=train)
-    return parser
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -137,6 +130,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out=args.out or f"runs/train-{args.sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}",
         device=_resolve_device(args.device, local_workers, parser),
         max_steps=args.max_steps,
+        integration=args.integration,
         progress=not args.no_progress,
     )
     _check_before_spawning(config, workers, parser)
@@ -162,6 +156,11 @@ def _check_before_spawning(
     config: TrainConfig, workers: int, parser: argparse.ArgumentParser
 ) -> None:
     # Everything a worker would otherwise fail on, reported once, as a usage error.
+    if config.integration == "ddp" and config.sparsifier not in HOOK_SPARSIFIERS:
+        parser.error(
+            f"argument --sparsifier: the DDP hook supports {', '.join(HOOK_SPARSIFIERS)}, "
+            f"not {config.sparsifier!r}; use --integration loop for it"
+        )
     try:
         create_sparsifier(config.sparsifier, config.density, **config.sparsifier_options())
     except (TypeError, ValueError) as error:
@@ -188,41 +187,3 @@ def _resolve_device(choice: str, local_workers: int, parser: argparse.ArgumentPa
                 f"found {gpus}; use --device cpu or fewer --workers"
             )
     return choice
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-
-def _density(text: str) -> float:
-    try:
-        return validate_density(_float(text))
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _momentum(text: str) -> float:
-    value = _float(text)
-    if not 0 <= value < 1:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
-    return value

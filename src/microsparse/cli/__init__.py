@@ -1,0 +1,37 @@
+"""The ``microsparse`` command line: one module per command, each adding its own parser.
+
+Example:
+    $ microsparse train --workers 4 --density 0.001 --out runs/micro
+    $ torchrun --nnodes 2 --nproc-per-node 8 ... -m microsparse train --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from microsparse.cli import train
+
+COMMANDS = [train]
+"""Modules with ``add_parser(commands)``; the parser they add sets ``run(args, parser)``."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``microsparse`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
+
+    Example:
+        >>> main(["train", "--workers", "2", "--max-steps", "5"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="microsparse", description="MiCRO gradient sparsification for data-parallel training."
+    )
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(commands)
+    return parser

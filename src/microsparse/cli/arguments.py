@@ -1,0 +1,46 @@
+"""Argument types shared by the commands: each rejects bad input with a message naming the fix."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from microsparse.sparsifiers import validate_density
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def density(text: str) -> float:
+    try:
+        return validate_density(number(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def positive_float(text: str) -> float:
+    value = number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def momentum(text: str) -> float:
+    value = number(text)
+    if not 0 <= value < 1:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return value
