@@ -27,23 +27,60 @@ def reference_factor(ratio: float, rule: str) -> float:
     return 0.995
 
 
-def micro_reference(gradients: list[list[np.ndarray]], density: float, rule: str) -> list[dict]:
+def reference_owned(numel: int, n: int, partitioning: str) -> list[list[int]]:
+    """Positions of each partition, ascending."""
+    if partitioning == "contiguous":
+        return [list(range(start, end)) for start, end in reference_partitions(numel, n)]
+    block = max(1, min(4096, numel // (64 * n)))  # blocks dealt round-robin; the tail is a block
+    return [[i for i in range(numel) if (i // block) % n == p] for p in range(n)]
+
+
+def reference_quantile(magnitudes: list[np.ndarray], previous: float, target: int) -> float:
+    """The quantile rule: histogram of log2|a| in 256 bins over ±3 octaves around ``previous``,
+    summed over ranks, solved for the count k with power-law interpolation inside the bin."""
+    low, high = math.log2(previous) - 3, math.log2(previous) + 3
+    bins, width = 256, 6 / 256
+    counts = np.zeros(bins)
+    for values in magnitudes:
+        with np.errstate(divide="ignore"):
+            logs = np.clip(np.log2(values), low, high)
+        counts += np.histogram(logs, bins=bins, range=(low, high))[0]
+    above = [int(counts[j:].sum()) for j in range(bins + 1)]
+    if above[bins - 1] >= target:
+        return 2.0 ** (high - width)
+    if above[1] < target:
+        return 2.0**low
+    j = max(i for i in range(1, bins) if above[i] >= target)
+    upper, lower = above[j], above[j + 1]
+    if lower > 0:
+        fraction = math.log(upper / target) / math.log(upper / lower)
+    else:
+        fraction = (upper - target) / upper
+    return 2.0 ** (low + (j + fraction) * width)
+
+
+def micro_reference(
+    gradients: list[list[np.ndarray]], density: float, rule: str, partitioning: str = "contiguous"
+) -> list[dict]:
     """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step."""
     n = len(gradients[0])
     numel = len(gradients[0][0])
     target = max(1, math.floor(density * numel))
     threshold = 1.0 / (2.0 * math.sqrt(target))
-    partitions = reference_partitions(numel, n)
+    owned = reference_owned(numel, n, partitioning)
     residuals = [np.zeros(numel) for _ in range(n)]
     steps = []
     for t, step_gradients in enumerate(gradients):
         accumulated = [residuals[r] + step_gradients[r] for r in range(n)]
+        if rule == "quantile":
+            mine = [np.abs(accumulated[r][owned[(t + r) % n]]) for r in range(n)]
+            threshold = reference_quantile(mine, threshold, target)
         picks = []
         for r in range(n):
-            start, end = partitions[(t + r) % n]
-            chosen = [i for i in range(start, end) if abs(accumulated[r][i]) >= threshold]
-            if not chosen and end > start:
-                chosen = [start + t % (end - start)]
+            positions = owned[(t + r) % n]
+            chosen = [i for i in positions if abs(accumulated[r][i]) >= threshold]
+            if not chosen and positions:
+                chosen = [positions[t % len(positions)]]
             picks.append(chosen)
         union = sorted(i for chosen in picks for i in chosen)
         aggregated = np.zeros(numel)
@@ -67,5 +104,6 @@ def micro_reference(gradients: list[list[np.ndarray]], density: float, rule: str
                 "residuals": residuals,
             }
         )
-        threshold *= reference_factor(len(union) / target, rule)
+        if rule != "quantile":
+            threshold *= reference_factor(len(union) / target, rule)
     return steps

@@ -11,7 +11,7 @@ import torch
 
 from distributed import run_ranks
 from microsparse import GradientReducer
-from reference import micro_reference, reference_partitions
+from reference import micro_reference, reference_owned
 
 # Three parameters of d = 103 entries (not divisible by 2, 3 or 4). The first block is tiny,
 # so the rank owning it often selects nothing and must send its fallback position.
@@ -27,16 +27,24 @@ def make_gradients(
     return [[rng.standard_normal(scales.size) * scales for _ in range(n)] for _ in range(steps)]
 
 
+MODES = [  # (threshold_rule, partitioning): the reference code's, and the project's default
+    ("as_coded", "contiguous"),
+    ("symmetric", "contiguous"),
+    ("quantile", "interleaved"),
+]
+
+
 def cases(n: int) -> list[dict]:
     steps = 2 * n + 4  # every partition owned by every rank at least twice
-    out = [
-        {"shapes": SHAPES, "density": 0.05, "rule": rule, "steps": steps}
-        for rule in ("symmetric", "as_coded")
-    ]
-    out.append({"shapes": SHAPES, "density": 0.001, "rule": "symmetric", "steps": steps})  # δ·d < 1
-    out.append({"shapes": [(1,)], "density": 0.5, "rule": "as_coded", "steps": steps})  # d <= n
-    if n >= 3:
-        out.append({"shapes": [(2,)], "density": 1.0, "rule": "symmetric", "steps": steps})  # d < n
+    out = []
+    for rule, partitioning in MODES:
+        mode = {"rule": rule, "partitioning": partitioning, "steps": steps}
+        out.append({"shapes": SHAPES, "density": 0.05, **mode})
+        out.append({"shapes": SHAPES, "density": 0.001, **mode})  # δ·d < 1
+        out.append({"shapes": [(1,)], "density": 0.5, **mode})  # d <= n
+        out.append({"shapes": [(40, 30), (100,)], "density": 0.02, **mode})  # blocks of > 1
+        if n >= 3:
+            out.append({"shapes": [(2,)], "density": 1.0, **mode})  # d < n
     return out
 
 
@@ -45,7 +53,13 @@ def run_cases(rank: int, n: int, all_cases: list[dict]) -> list[list[dict]]:
     for index, case in enumerate(all_cases):
         params = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in case["shapes"]]
         sizes = [p.numel() for p in params]
-        reducer = GradientReducer(params, "micro", case["density"], threshold_rule=case["rule"])
+        reducer = GradientReducer(
+            params,
+            "micro",
+            case["density"],
+            threshold_rule=case["rule"],
+            partitioning=case["partitioning"],
+        )
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
         steps = []
         for t in range(case["steps"]):
@@ -72,8 +86,8 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
     for index, case in enumerate(all_cases):
         numel = sum(math.prod(s) for s in case["shapes"])
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
-        expected = micro_reference(gradients, case["density"], case["rule"])
-        partitions = reference_partitions(numel, n)
+        expected = micro_reference(gradients, case["density"], case["rule"], case["partitioning"])
+        owned = reference_owned(numel, n, case["partitioning"])
         previous = [np.zeros(numel) for _ in range(n)]
         for t, want in enumerate(expected):
             got = [ranks[r][index][t] for r in range(n)]
@@ -90,15 +104,18 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
                 # The positions sent are exactly the zeros of the new residual (gradients are
                 # continuous, so no accumulated value is exactly 0); rank r's own are those in
                 # the partition it owned.
-                start, end = partitions[(t + r) % n]
-                assert got[r]["stats"].partition == (start, end), where
+                mine = owned[(t + r) % n]
+                if case["partitioning"] == "contiguous":
+                    assert got[r]["stats"].partition == (mine[0], mine[-1] + 1) if mine else True
                 sent = np.flatnonzero(got[r]["residual"] == 0)
-                assert sent[(sent >= start) & (sent < end)].tolist() == want["picks"][r], where
+                assert np.intersect1d(sent, mine).tolist() == want["picks"][r], where
                 assert got[r]["stats"].local_selected == len(want["picks"][r]), where
 
-            # No build-up: owned partitions are disjoint and cover the vector; K = Σ k_r.
-            owned = sorted(got[r]["stats"].partition for r in range(n))
-            assert owned == partitions, where
+            # No build-up: every rank picks inside the partition it owns this step, the owned
+            # partitions are disjoint, and K = Σ k_r is the number of positions sent.
+            assert sorted((t + r) % n for r in range(n)) == list(range(n)), where
+            sent = np.flatnonzero(got[0]["residual"] == 0)
+            assert len(sent) == got[0]["stats"].selected, where
             assert (
                 sum(got[r]["stats"].local_selected for r in range(n)) == got[0]["stats"].selected
             ), where
@@ -157,3 +174,31 @@ def test_single_worker_threshold_does_not_decay() -> None:
     ratios, thresholds = stationary_run("symmetric")
     assert thresholds[-1] > 0.9 * thresholds[WARMUP]
     assert ratios[WARMUP:].max() < 1.25
+
+
+def scale_change_run(factor: float, steps: int = 45, change: tuple[int, int] = (15, 30)):
+    """K/k per step of one worker (k = 10,000) whose gradient scale jumps by ``factor`` at step
+    15 and back at step 30, as at a learning-rate decay or the end of a warm-up."""
+    numel, density = 2_000_000, 0.005
+    generator = torch.Generator().manual_seed(1)
+    param = torch.zeros(numel, requires_grad=True)
+    reducer = GradientReducer([param], "micro", density)  # the default: quantile, interleaved
+    ratios = []
+    for step in range(steps):
+        scale = 0.01 * (factor if change[0] <= step < change[1] else 1.0)
+        param.grad = torch.randn(numel, generator=generator) * scale
+        stats = reducer.synchronize()
+        assert stats.target == 10_000
+        ratios.append(stats.selected / stats.target)
+    return np.array(ratios)
+
+
+@pytest.mark.parametrize("factor", [0.3, 3.0])
+def test_quantile_rule_meets_the_control_targets(factor: float) -> None:
+    ratios = scale_change_run(factor)
+    # Stationary: mean |K/k − 1| <= 2 % from step 5 on.
+    assert np.mean(np.abs(ratios[5:15] - 1)) <= 0.02
+    # Within 10 % of target within 5 steps after the scale drops (or rises) and comes back.
+    for change in (15, 30):
+        assert np.all(np.abs(ratios[change + 5 : change + 15] - 1) <= 0.10), ratios[change:]
+    assert np.mean(np.abs(ratios[5:] - 1)) <= 0.02

@@ -39,7 +39,8 @@ def test_unknown_option_names_the_accepted_ones() -> None:
 
 
 def test_unknown_threshold_rule() -> None:
-    with pytest.raises(ValueError, match=r"threshold_rule must be one of symmetric, as_coded"):
+    expected = r"threshold_rule must be one of quantile, symmetric, as_coded"
+    with pytest.raises(ValueError, match=expected):
         GradientReducer(linear(), "micro", 0.1, threshold_rule="fast")
 
 

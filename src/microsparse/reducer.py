@@ -117,9 +117,15 @@ class GradientReducer:
             local, counts, agreed_bytes = self._select_planned(accumulated, step)
             selected_at = time.perf_counter()
         else:
+            proposal = self.sparsifier.agreement(accumulated, step)
+            proposal_bytes = 0
+            if proposal is not None:  # e.g. MiCRO's threshold histogram, summed over ranks
+                proposal_bytes = self._comm.sum_(proposal)
+                self.sparsifier.adopt_agreement(proposal)
             local = self.sparsifier.select(accumulated, step)
             selected_at = time.perf_counter()
             counts, agreed_bytes = self._agree(local.numel(), step, accumulated)
+            agreed_bytes += proposal_bytes
         threshold, extra = self.sparsifier.threshold, self.sparsifier.report()
 
         exchange = self._EXCHANGES[self.sparsifier.exchange]

@@ -14,7 +14,7 @@ from microsparse.comm import all_reduce_bytes
 from microsparse.ddp.memory import ParameterResiduals
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.sparsifiers.base import validate_density
-from microsparse.sparsifiers.threshold import THRESHOLD_RULES, ThresholdController, ThresholdRule
+from microsparse.sparsifiers.threshold import STEP_RULES, ThresholdController, ThresholdRule
 from microsparse.stats import StepStats
 
 HOOK_SPARSIFIERS = ("micro", "topk", "dense")
@@ -73,9 +73,9 @@ class SparseState:
                 f"sparsifier must be one of {', '.join(HOOK_SPARSIFIERS)} for the DDP hook; "
                 f"got {sparsifier!r}"
             )
-        if threshold_rule not in THRESHOLD_RULES:
+        if threshold_rule not in STEP_RULES:
             raise ValueError(
-                f"threshold_rule must be one of {', '.join(THRESHOLD_RULES)}; "
+                f"threshold_rule must be one of {', '.join(STEP_RULES)} for the DDP hook; "
                 f"got {threshold_rule!r}"
             )
         if (

@@ -69,6 +69,18 @@ class Sparsifier(ABC):
     def update(self, selected: int) -> None:
         """Observe the global selected count K of the step that just ended."""
 
+    def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor | None:
+        """A small vector to sum over all ranks before ``select`` (e.g. a histogram), or None.
+
+        The reducer all-reduces it and hands the sum to :meth:`adopt_agreement`, so that every
+        rank can derive the same parameters of this step's selection from everyone's data.
+        """
+        return None
+
+    def adopt_agreement(self, total: torch.Tensor) -> None:
+        """Take the all-ranks sum of this step's :meth:`agreement` vectors."""
+        raise NotImplementedError(f"{self.name} asks for no agreement")
+
     def leader(self, step: int) -> int:
         """The rank that makes the plan at ``step`` (planned sparsifiers): cyclic, t mod n."""
         return step % self.world_size

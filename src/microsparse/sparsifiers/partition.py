@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
+
 
 def contiguous_partitions(numel: int, parts: int) -> list[tuple[int, int]]:
     """Near-equal contiguous half-open ranges covering ``[0, numel)``.
@@ -37,3 +41,93 @@ def owned_partition(step: int, rank: int, world_size: int) -> int:
         [1, 2, 0, 1]
     """
     return (step + rank) % world_size
+
+
+class Segment(NamedTuple):
+    """Owned entries as a 2-D view: element (row, col) is flat position base + row·stride + col."""
+
+    view: torch.Tensor
+    base: int
+    row_stride: int
+
+    def positions(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return rows * self.row_stride + cols + self.base
+
+
+class ContiguousPartitions:
+    """The reference layout: partition p is one contiguous range (``contiguous_partitions``).
+
+    Example:
+        >>> ContiguousPartitions(10, 4).size(0)
+        3
+    """
+
+    kind = "contiguous"
+
+    def __init__(self, numel: int, parts: int) -> None:
+        self.ranges = contiguous_partitions(numel, parts)
+
+    def size(self, part: int) -> int:
+        start, end = self.ranges[part]
+        return end - start
+
+    def range(self, part: int) -> tuple[int, int] | None:
+        return self.ranges[part]
+
+    def segments(self, vector: torch.Tensor, part: int) -> list[Segment]:
+        start, end = self.ranges[part]
+        return [Segment(vector[start:end].unsqueeze(0), start, 0)] if end > start else []
+
+
+class InterleavedPartitions:
+    """Blocks of ``block`` entries dealt round-robin: partition p owns blocks p, p + n, p + 2n, ...
+
+    Contiguous partitions of a real model are unbalanced: layers differ in gradient magnitude,
+    so one partition may hold most of the entries above the threshold, and the padded index
+    exchange pays for the largest count n times. Dealing small blocks round-robin gives every
+    partition a slice of every layer. The owned blocks form one strided 2-D view (plus the
+    short tail block for one partition), so selection is still a single pass over d/n entries.
+
+    Example:
+        >>> partitions = InterleavedPartitions(10, parts=2, block=2)
+        >>> [partitions.size(p) for p in range(2)]
+        [6, 4]
+        >>> [s.view.tolist() for s in partitions.segments(torch.arange(10.0), 0)]
+        [[[0.0, 1.0], [4.0, 5.0], [8.0, 9.0]]]
+    """
+
+    kind = "interleaved"
+
+    def __init__(self, numel: int, parts: int, block: int | None = None) -> None:
+        # At least ~64 blocks per partition where the vector allows, at most 4096 entries per
+        # block (16 KB of float32: long enough runs that strided access costs little).
+        self.block = block or max(1, min(4096, numel // (64 * parts)))
+        self.numel = numel
+        self.parts = parts
+        self.full_blocks, self.tail = divmod(numel, self.block)
+
+    def _rows(self, part: int) -> int:
+        return len(range(part, self.full_blocks, self.parts))
+
+    def _owns_tail(self, part: int) -> bool:
+        return self.tail > 0 and self.full_blocks % self.parts == part
+
+    def size(self, part: int) -> int:
+        return self._rows(part) * self.block + (self.tail if self._owns_tail(part) else 0)
+
+    def range(self, part: int) -> tuple[int, int] | None:
+        return None  # not one range
+
+    def segments(self, vector: torch.Tensor, part: int) -> list[Segment]:
+        blocks = vector[: self.full_blocks * self.block].view(self.full_blocks, self.block)
+        segments = []
+        if self._rows(part):
+            rows = blocks[part :: self.parts]
+            segments.append(Segment(rows, part * self.block, self.parts * self.block))
+        if self._owns_tail(part):
+            start = self.full_blocks * self.block
+            segments.append(Segment(vector[start:].unsqueeze(0), start, 0))
+        return segments
+
+
+PARTITIONINGS = {"contiguous": ContiguousPartitions, "interleaved": InterleavedPartitions}

@@ -9,8 +9,13 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-ThresholdRule = Literal["symmetric", "as_coded"]
-THRESHOLD_RULES: tuple[str, ...] = ("symmetric", "as_coded")
+import torch
+
+ThresholdRule = Literal["quantile", "symmetric", "as_coded"]
+THRESHOLD_RULES: tuple[str, ...] = ("quantile", "symmetric", "as_coded")
+"""``quantile`` estimates λ from the current step (:class:`QuantileThreshold`); ``symmetric`` and
+``as_coded`` are the reference's ±0.5 %-per-step corrections (:class:`ThresholdController`)."""
+STEP_RULES: tuple[str, ...] = ("symmetric", "as_coded")
 
 # Multiplicative corrections of the reference code, by band of e = K / k.
 _RAISE_FAST, _RAISE_SLOW, _LOWER_SLOW, _LOWER_FAST = 1.005, 1.00125, 0.9987, 0.995
@@ -60,10 +65,8 @@ class ThresholdController:
     """
 
     def __init__(self, target: int, rule: ThresholdRule = "symmetric") -> None:
-        if rule not in THRESHOLD_RULES:
-            raise ValueError(
-                f"threshold_rule must be one of {', '.join(THRESHOLD_RULES)}; got {rule!r}"
-            )
+        if rule not in STEP_RULES:
+            raise ValueError(f"threshold_rule must be one of {', '.join(STEP_RULES)}; got {rule!r}")
         if target < 1:
             raise ValueError(f"target must be >= 1, got {target}")
         self.target = target
@@ -73,6 +76,82 @@ class ThresholdController:
     def update(self, selected: int) -> None:
         """Correct λ after a step that selected ``selected`` positions in total."""
         self.threshold *= threshold_factor(selected / self.target, self.rule)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"threshold": self.threshold}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.threshold = float(state["threshold"])
+
+
+class QuantileThreshold:
+    """λ from this step's own data: the global (1 − k/d) quantile of |a|, from a histogram.
+
+    Every rank bins the log2 magnitudes of the partition it owns into ``bins`` bins spanning
+    ``octaves`` octaves each way around the last threshold (one pass over d/n entries); the
+    ranks sum their histograms (one all-reduce of a few hundred integers); and every rank
+    solves the same integer histogram for the λ at which the global count is k, interpolating
+    inside the bin as a power-law tail. Because the partitions cover the vector exactly once,
+    the summed histogram counts the whole vector. The estimate uses only the current step's
+    data, so error feedback cannot feed it an oscillation (a big step emptying the residual,
+    then a small one, ...), and λ can move by up to 2**octaves in one step.
+
+    Example:
+        >>> import torch
+        >>> estimator = QuantileThreshold(target=100)
+        >>> magnitudes = torch.rand(100_000)          # uniform on [0, 1): top 100 is above ~0.999
+        >>> estimator.solve(estimator.histogram([magnitudes], scratch=torch.empty(100_000)))
+        >>> round(estimator.threshold, 3)
+        0.999
+    """
+
+    def __init__(self, target: int, bins: int = 256, octaves: float = 3.0) -> None:
+        self.target = target
+        self.bins = bins
+        self.octaves = octaves
+        self.threshold = initial_threshold(target)
+
+    def _range(self) -> tuple[float, float]:
+        centre = math.log2(self.threshold)
+        return centre - self.octaves, centre + self.octaves
+
+    def histogram(self, magnitudes: list[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
+        """Counts of log2|a| per bin (int64), lowest bin holding everything below the range.
+
+        ``scratch`` (at least as long as all ``magnitudes`` together) receives the logarithms.
+        """
+        low, high = self._range()
+        total = torch.zeros(self.bins, dtype=torch.long, device=scratch.device)
+        offset = 0
+        for values in magnitudes:
+            logs = torch.log2(values, out=scratch[offset : offset + values.numel()].view_as(values))
+            offset += values.numel()
+            total += torch.histc(logs.clamp_(low, high), bins=self.bins, min=low, max=high).long()
+        return total
+
+    def solve(self, histogram: torch.Tensor) -> None:
+        """Set ``threshold`` from the histogram summed over all ranks (identical on each)."""
+        counts = histogram.tolist()
+        low, high = self._range()
+        width = (high - low) / self.bins
+        above = [0] * (self.bins + 1)  # above[j]: entries with log2|a| >= low + j·width
+        for j in range(self.bins - 1, -1, -1):
+            above[j] = above[j + 1] + counts[j]
+        k = self.target
+        if above[self.bins - 1] >= k:  # even the top bin holds k: rise as far as allowed
+            self.threshold = 2.0 ** (high - width)
+            return
+        if above[1] < k:  # fewer than k above the range's bottom: fall as far as allowed
+            self.threshold = 2.0**low
+            return
+        j = max(i for i in range(1, self.bins) if above[i] >= k)
+        upper, lower = above[j], above[j + 1]
+        # A power-law tail is a straight line in log(count) against log|a|.
+        if lower > 0:
+            fraction = math.log(upper / k) / math.log(upper / lower)
+        else:
+            fraction = (upper - k) / upper
+        self.threshold = 2.0 ** (low + (j + fraction) * width)
 
     def state_dict(self) -> dict[str, float]:
         return {"threshold": self.threshold}
