@@ -98,11 +98,13 @@ class QuantileThreshold:
 
     Example:
         >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> magnitudes = torch.empty(100_000).exponential_()  # a tail like a gradient's
         >>> estimator = QuantileThreshold(target=100)
-        >>> magnitudes = torch.rand(100_000)          # uniform on [0, 1): top 100 is above ~0.999
-        >>> estimator.solve(estimator.histogram([magnitudes], scratch=torch.empty(100_000)))
-        >>> round(estimator.threshold, 3)
-        0.999
+        >>> estimator.threshold = 5.0  # the last step's λ: the histogram spans 5/8 .. 5·8
+        >>> estimator.solve(estimator.histogram([magnitudes], torch.empty(100_000)))
+        >>> round(estimator.threshold, 2), int((magnitudes >= estimator.threshold).sum())
+        (6.87, 100)
     """
 
     def __init__(self, target: int, bins: int = 256, octaves: float = 3.0) -> None:
