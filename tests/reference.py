@@ -60,9 +60,17 @@ def reference_quantile(magnitudes: list[np.ndarray], previous: float, target: in
 
 
 def micro_reference(
-    gradients: list[list[np.ndarray]], density: float, rule: str, partitioning: str = "contiguous"
+    gradients: list[list[np.ndarray]],
+    density: float,
+    rule: str,
+    partitioning: str = "contiguous",
+    capacity_factor: float | None = None,
 ) -> list[dict]:
-    """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step."""
+    """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step.
+
+    With ``capacity_factor`` (the fixed index message), a rank whose picks exceed
+    ceil(capacity_factor · k / n) + 8 sends only that many, the largest |a|.
+    """
     n = len(gradients[0])
     numel = len(gradients[0][0])
     target = max(1, math.floor(density * numel))
@@ -81,6 +89,10 @@ def micro_reference(
             chosen = [i for i in positions if abs(accumulated[r][i]) >= threshold]
             if not chosen and positions:
                 chosen = [positions[t % len(positions)]]
+            if capacity_factor is not None:
+                capacity = math.ceil(capacity_factor * target / n) + 8
+                largest = sorted(chosen, key=lambda i: -abs(accumulated[r][i]))[:capacity]
+                chosen = sorted(largest)
             picks.append(chosen)
         union = sorted(i for chosen in picks for i in chosen)
         aggregated = np.zeros(numel)

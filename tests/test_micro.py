@@ -27,18 +27,24 @@ def make_gradients(
     return [[rng.standard_normal(scales.size) * scales for _ in range(n)] for _ in range(steps)]
 
 
-MODES = [  # (threshold_rule, partitioning): the reference code's, and the project's default
-    ("as_coded", "contiguous"),
-    ("symmetric", "contiguous"),
-    ("quantile", "interleaved"),
+MODES = [  # (threshold_rule, partitioning, index_message): the reference code's, and the default
+    ("as_coded", "contiguous", "padded"),
+    ("symmetric", "contiguous", "padded"),
+    ("quantile", "interleaved", "fixed"),
+    ("symmetric", "interleaved", "fixed"),  # the first steps overflow the fixed message
 ]
 
 
 def cases(n: int) -> list[dict]:
     steps = 2 * n + 4  # every partition owned by every rank at least twice
     out = []
-    for rule, partitioning in MODES:
-        mode = {"rule": rule, "partitioning": partitioning, "steps": steps}
+    for rule, partitioning, index_message in MODES:
+        mode = {
+            "rule": rule,
+            "partitioning": partitioning,
+            "message": index_message,
+            "steps": steps,
+        }
         out.append({"shapes": SHAPES, "density": 0.05, **mode})
         out.append({"shapes": SHAPES, "density": 0.001, **mode})  # δ·d < 1
         out.append({"shapes": [(1,)], "density": 0.5, **mode})  # d <= n
@@ -59,6 +65,7 @@ def run_cases(rank: int, n: int, all_cases: list[dict]) -> list[list[dict]]:
             case["density"],
             threshold_rule=case["rule"],
             partitioning=case["partitioning"],
+            index_message=case["message"],
         )
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
         steps = []
@@ -86,7 +93,10 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
     for index, case in enumerate(all_cases):
         numel = sum(math.prod(s) for s in case["shapes"])
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
-        expected = micro_reference(gradients, case["density"], case["rule"], case["partitioning"])
+        capacity_factor = 1.25 if case["message"] == "fixed" else None
+        expected = micro_reference(
+            gradients, case["density"], case["rule"], case["partitioning"], capacity_factor
+        )
         owned = reference_owned(numel, n, case["partitioning"])
         previous = [np.zeros(numel) for _ in range(n)]
         for t, want in enumerate(expected):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_ranks
@@ -74,3 +75,57 @@ def test_unused_parameter_counts_as_zero_gradient_and_receives_the_average() -> 
     reducer.synchronize()
     assert unused.grad is not None and torch.equal(unused.grad, torch.zeros(50))
     assert torch.equal(used.grad, torch.ones(50))
+
+
+def test_fixed_index_message_defers_the_smallest_overflow_to_the_residual() -> None:
+    param = torch.zeros(10_000, requires_grad=True)
+    # λ_0 = 1/(2·sqrt(100)) = 0.05 is far too low for N(0, 1) gradients: most entries pass.
+    reducer = GradientReducer([param], "micro", 0.01, threshold_rule="symmetric")
+    fresh = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    param.grad = fresh.clone()
+    stats = reducer.synchronize()
+    capacity = reducer.sparsifier.capacity  # ceil(1.25 · 100 / 1) + 8
+    assert capacity == 133 and stats.selected == capacity
+    assert stats.proposed == int((fresh.abs() >= stats.threshold).sum()) > capacity
+    sent = param.grad != 0
+    assert torch.equal(
+        fresh.abs()[sent].sort().values, fresh.abs().topk(capacity).values.sort().values
+    )
+    assert torch.equal(param.grad + reducer.residual, fresh)  # nothing lost
+
+
+def half_values_worker(rank: int, n: int, dtype: torch.dtype) -> dict:
+    param = torch.zeros(4000, dtype=torch.float64, requires_grad=True)
+    reducer = GradientReducer([param], "micro", 0.02, value_dtype=dtype)
+    fresh = gradient(0, rank, 4000).double()
+    param.grad = fresh.clone()
+    stats = reducer.synchronize()
+    return {
+        "fresh": fresh,
+        "grad": param.grad.clone(),
+        "residual": reducer.residual.clone(),
+        "stats": stats,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_values_leave_their_rounding_in_the_residual(dtype, tmp_path) -> None:
+    ranks = run_ranks(half_values_worker, 2, tmp_path, dtype)
+    sent = ranks[0]["grad"] != 0
+    assert sent.sum() == ranks[0]["stats"].selected > 0
+    wire = [r["fresh"][sent].to(dtype) for r in ranks]
+    for r, result in enumerate(ranks):
+        # Each rank keeps exactly what rounding its own values to the wire dtype removed.
+        assert torch.equal(result["residual"][sent], result["fresh"][sent] - wire[r].double())
+        assert torch.equal(result["residual"][~sent], result["fresh"][~sent])
+        assert torch.equal(result["grad"], ranks[0]["grad"])
+    # The average is the wire sum (rounded once more in the wire dtype) over n.
+    expected = (wire[0] + wire[1]).double() / 2
+    torch.testing.assert_close(ranks[0]["grad"][sent], expected, rtol=0, atol=0)
+
+
+def test_value_dtype_is_checked() -> None:
+    with pytest.raises(
+        ValueError, match="value_dtype must be None, torch.float16 or torch.bfloat16"
+    ):
+        GradientReducer([torch.zeros(3, requires_grad=True)], "micro", 0.5, value_dtype=torch.int8)

@@ -40,6 +40,10 @@ class GradientReducer:
         density: fraction δ of the d gradient entries to send per step, in (0, 1].
         process_group: the group to average over; ``None`` is the default group, or a group
             of one when ``torch.distributed`` is not initialised.
+        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``
+            (half the value bytes); each rank's rounding error stays in its residual, so only
+            the rounding of the sum itself is lost. float16 overflows above 65504: prefer
+            bfloat16 unless gradients are known to be small.
         **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     Non-finite gradients: if any rank's accumulated gradient holds NaN or Inf, every rank
@@ -67,8 +71,14 @@ class GradientReducer:
         density: float = 0.001,
         *,
         process_group: dist.ProcessGroup | None = None,
+        value_dtype: torch.dtype | None = None,
         **options: Any,
     ) -> None:
+        if value_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
+            )
+        self.value_dtype = value_dtype
         self._names, self._params = _trainable_parameters(params)
         first = self._params[0]
         self.layout = Layout.of(list(zip(self._names, self._params)))
@@ -124,8 +134,10 @@ class GradientReducer:
                 self.sparsifier.adopt_agreement(proposal)
             local = self.sparsifier.select(accumulated, step)
             selected_at = time.perf_counter()
-            counts, agreed_bytes = self._agree(local.numel(), step, accumulated)
-            agreed_bytes += proposal_bytes
+            counts, agreed_bytes = [], proposal_bytes
+            if self.sparsifier.exchange != "fixed":  # "fixed" carries the header itself
+                counts, header_bytes = self._agree(local.numel(), step, accumulated)
+                agreed_bytes += header_bytes
         threshold, extra = self.sparsifier.threshold, self.sparsifier.report()
 
         exchange = self._EXCHANGES[self.sparsifier.exchange]
@@ -218,8 +230,43 @@ class GradientReducer:
         numel = self.layout.numel
         return _Exchanged(numel, numel, numel, numel, sent)
 
+    def _exchange_fixed(
+        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
+    ) -> _Exchanged:
+        """``fixed``: one all-gather of ``capacity`` slots per rank, header included.
+
+        Positions beyond the capacity (the smallest of them) are not sent this step: they
+        stay in the residual.
+        """
+        capacity, proposed = self.sparsifier.capacity, local.numel()
+        if proposed > capacity:
+            keep = torch.topk(accumulated.index_select(0, local).abs_(), capacity).indices
+            local = local.index_select(0, keep)
+        index_dtype = (
+            torch.int32 if self.layout.numel <= torch.iinfo(torch.int32).max else torch.long
+        )
+        message = torch.zeros(_FIXED_HEADER + capacity, dtype=index_dtype, device=local.device)
+        message[0] = local.numel()
+        message[1] = self._feedback.nonfinite()
+        message[2] = self.step
+        message[3] = proposed
+        message[_FIXED_HEADER : _FIXED_HEADER + local.numel()] = local
+        rows = self._comm.all_gather_rows(message)
+        header = rows[:, :_FIXED_HEADER].tolist()
+        self._check_header(header)
+        counts = [row[0] for row in header]
+        pieces = [
+            rows[rank, _FIXED_HEADER : _FIXED_HEADER + count] for rank, count in enumerate(counts)
+        ]
+        positions = torch.cat(pieces).long()
+        sent = all_gather_bytes(message.numel() * message.element_size(), self._comm.world_size)
+        sent += self._average_at(accumulated, positions)
+        proposals = sum(row[3] for row in header)
+        return _Exchanged(positions.numel(), local.numel(), capacity, proposals, sent)
+
     _EXCHANGES = {
         "exclusive": _exchange_indices,
+        "fixed": _exchange_fixed,
         "union": _exchange_indices,
         "shared": _exchange_shared,
         "dense": _exchange_dense,
@@ -228,10 +275,17 @@ class GradientReducer:
     def _average_at(self, accumulated: torch.Tensor, positions: torch.Tensor) -> int:
         """Average every rank's values at ``positions``, write them, forget them locally."""
         values = accumulated.index_select(0, positions)
-        sent = self._comm.sum_(values)
+        if self.value_dtype is None:
+            sent = self._comm.sum_(values)
+            self._feedback.forget(positions)
+        else:
+            wire = values.to(self.value_dtype)
+            # What rounding took from this rank's values stays behind in its residual.
+            accumulated.index_copy_(0, positions, values.sub_(wire))
+            sent = self._comm.sum_(wire)
+            values = wire.to(accumulated.dtype)
         values.div_(self._comm.world_size)
         self._write_gradients(positions, values)
-        self._feedback.forget(positions)
         return sent
 
     def _check_header(self, rows: list[list[int]]) -> None:
@@ -275,7 +329,8 @@ class GradientReducer:
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
         return (
             f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
-            f"{sorted(self.sparsifier.options().items())}|{self._feedback.accumulated.dtype}"
+            f"{sorted(self.sparsifier.options().items())}|{self._feedback.accumulated.dtype}|"
+            f"{self.value_dtype}"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,6 +356,9 @@ class GradientReducer:
         self._feedback.accumulated.copy_(state["residual"])
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
+
+
+_FIXED_HEADER = 4  # count, non-finite flag, step, proposals: the header of a "fixed" message
 
 
 class _Exchanged(NamedTuple):

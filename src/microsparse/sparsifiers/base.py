@@ -16,10 +16,12 @@ import torch
 
 from microsparse.layout import Layout
 
-Exchange = Literal["exclusive", "union", "shared", "dense"]
+Exchange = Literal["exclusive", "fixed", "union", "shared", "dense"]
 """How per-rank selections combine: ``exclusive`` (disjoint by construction, concatenated),
-``union`` (may overlap, deduplicated), ``shared`` (every rank selects the same positions, e.g.
-from a leader's plan: no index exchange) or ``dense`` (no selection; plain all-reduce)."""
+``fixed`` (exclusive, in one fixed-capacity message per rank that also carries the count and
+the step's checks: the sparsifier sets ``capacity``), ``union`` (may overlap, deduplicated),
+``shared`` (every rank selects the same positions, e.g. from a leader's plan: no index
+exchange) or ``dense`` (no selection; plain all-reduce)."""
 
 
 def validate_density(density: float) -> float:
@@ -49,8 +51,10 @@ class Sparsifier(ABC):
     """
 
     name: ClassVar[str]
-    exchange: ClassVar[Exchange]
+    exchange: Exchange
     planned: ClassVar[bool] = False
+    capacity: int = 0
+    """Per-rank slots of the index message, for the ``fixed`` exchange."""
 
     def __init__(self, density: float) -> None:
         self.density = validate_density(density)

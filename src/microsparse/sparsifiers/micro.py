@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -18,6 +19,7 @@ from microsparse.sparsifiers.threshold import (
 )
 
 Partitioning = Literal["interleaved", "contiguous"]
+IndexMessage = Literal["fixed", "padded"]
 
 
 @register_sparsifier
@@ -41,15 +43,23 @@ class Micro(Sparsifier):
         partitioning: ``"interleaved"`` (default): small blocks dealt round-robin, so every
             partition holds a slice of every layer and the per-rank counts are balanced.
             ``"contiguous"``: the reference's n contiguous ranges.
+        index_message: ``"fixed"`` (default): each rank sends one all-gather message of
+            ``ceil(capacity_factor · k / n) + 8`` int32 slots that carries its own count and
+            the step's checks, so no separate count round is needed. If more positions pass
+            the threshold, the largest are sent and the rest stay in the residual
+            (``StepStats.proposed − selected`` counts them). ``"padded"``: the reference's
+            count all-gather, then indices padded to the largest count.
+        capacity_factor: slack of the fixed message over an even share k / n.
 
-    ``threshold_rule="as_coded", partitioning="contiguous"`` reproduces the reference code.
+    ``threshold_rule="as_coded", partitioning="contiguous", index_message="padded"``
+    reproduces the reference code.
 
     Example:
         >>> import torch
         >>> from microsparse import GradientReducer
         >>> model = torch.nn.Linear(1000, 100)
         >>> reference = GradientReducer(model.parameters(), "micro", 0.001,
-        ...                             threshold_rule="as_coded", partitioning="contiguous")
+        ...     threshold_rule="as_coded", partitioning="contiguous", index_message="padded")
     """
 
     name = "micro"
@@ -60,6 +70,8 @@ class Micro(Sparsifier):
         density: float,
         threshold_rule: ThresholdRule = "quantile",
         partitioning: Partitioning = "interleaved",
+        index_message: IndexMessage = "fixed",
+        capacity_factor: float = 1.25,
     ) -> None:
         super().__init__(density)
         if threshold_rule not in THRESHOLD_RULES:
@@ -71,12 +83,20 @@ class Micro(Sparsifier):
             raise ValueError(
                 f"partitioning must be one of {', '.join(PARTITIONINGS)}; got {partitioning!r}"
             )
+        if index_message not in ("fixed", "padded"):
+            raise ValueError(f"index_message must be fixed or padded; got {index_message!r}")
+        if not isinstance(capacity_factor, (int, float)) or not 1 <= capacity_factor < math.inf:
+            raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
         self.threshold_rule = threshold_rule
         self.partitioning = partitioning
+        self.index_message = index_message
+        self.capacity_factor = float(capacity_factor)
+        self.exchange = "fixed" if index_message == "fixed" else "exclusive"
 
     def bind(self, layout: Layout, rank: int, world_size: int) -> None:
         super().bind(layout, rank, world_size)
         self._partitions = PARTITIONINGS[self.partitioning](layout.numel, world_size)
+        self.capacity = math.ceil(self.capacity_factor * self.target / world_size) + 8
         self._rule: QuantileThreshold | ThresholdController = (
             QuantileThreshold(self.target)
             if self.threshold_rule == "quantile"
@@ -166,7 +186,12 @@ class Micro(Sparsifier):
         return self._rule.threshold
 
     def options(self) -> dict[str, Any]:
-        return {"threshold_rule": self.threshold_rule, "partitioning": self.partitioning}
+        return {
+            "threshold_rule": self.threshold_rule,
+            "partitioning": self.partitioning,
+            "index_message": self.index_message,
+            "capacity_factor": self.capacity_factor,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         return self._rule.state_dict()
