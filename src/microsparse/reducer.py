@@ -120,7 +120,7 @@ class GradientReducer:
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         step, n, numel = self.step, self._comm.world_size, self.layout.numel
-        started = time.perf_counter()
+        began = started = time.perf_counter()
         self._feedback.compensate([p.grad for p in self._params])
         accumulated = self._feedback.accumulated
         if self.sparsifier.planned:  # waiting for the leader's plan is part of selection
@@ -130,7 +130,10 @@ class GradientReducer:
             proposal = self.sparsifier.agreement(accumulated, step)
             proposal_bytes = 0
             if proposal is not None:  # e.g. MiCRO's threshold histogram, summed over ranks
+                # Waiting for the other ranks is exchange time, not selection cost.
+                waiting = time.perf_counter()
                 proposal_bytes = self._comm.sum_(proposal)
+                started += time.perf_counter() - waiting
                 self.sparsifier.adopt_agreement(proposal)
             local = self.sparsifier.select(accumulated, step)
             selected_at = time.perf_counter()
@@ -159,7 +162,7 @@ class GradientReducer:
             bytes_sent=agreed_bytes + result.bytes_sent,
             dense_bytes=all_reduce_bytes(numel * accumulated.element_size(), n),
             select_seconds=selected_at - started,
-            exchange_seconds=finished - selected_at,
+            exchange_seconds=finished - selected_at + (started - began),
             extra=extra,
             proposed=result.proposed,
             exchange=self.sparsifier.exchange,

@@ -41,9 +41,10 @@ class StepStats:
     dense_bytes: int
     """Bytes the same rank would send for a dense ring all-reduce of all d values."""
     select_seconds: float
-    """Wall time of error-feedback compensation plus selection on this rank."""
+    """Wall time of error-feedback compensation plus selection on this rank (local work only)."""
     exchange_seconds: float
-    """Wall time of the collectives plus writing the averaged gradient back."""
+    """Wall time of every collective (including one issued to agree on a threshold, which
+    waits for the slowest rank) plus writing the averaged gradient back."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Sparsifier-specific values (e.g. per-rank counts)."""
     proposed: int = 0
