@@ -1,0 +1,63 @@
+"""Reports on saved runs: a results table (Markdown, CSV), PNG plots, TensorBoard events.
+
+They read only the files ``microsparse train`` writes, so any run directory can be reported
+on later, on any machine.
+
+Example:
+    >>> from microsparse.reports import load_runs, write_report
+    >>> write_report(load_runs(["runs/compare"]), "runs/compare")  # doctest: +SKIP
+    [PosixPath('runs/compare/results.md'), PosixPath('runs/compare/results.csv'), ...]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from microsparse.reports.plots import PLOTS, write_plots
+from microsparse.reports.runs import Metric, Run, RunError, find_runs, load_run, load_runs
+from microsparse.reports.table import (
+    Table,
+    Target,
+    choose_target,
+    results_table,
+    to_csv,
+    to_markdown,
+)
+from microsparse.reports.tensorboard import tensorboard_available, write_tensorboard
+
+
+def write_report(
+    runs: list[Run], out: str | Path, target: float | None = None, plots: bool = True
+) -> list[Path]:
+    """Write ``results.md``, ``results.csv`` and (unless ``plots=False``) the PNGs into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = results_table(runs, target)
+    markdown, csv = out / "results.md", out / "results.csv"
+    markdown.write_text(to_markdown(table), encoding="utf-8")
+    csv.write_text(to_csv(table), encoding="utf-8")
+    written = [markdown, csv]
+    if plots:
+        written += write_plots(runs, out, table.target)
+    return written
+
+
+__all__ = [
+    "PLOTS",
+    "Metric",
+    "Run",
+    "RunError",
+    "Table",
+    "Target",
+    "choose_target",
+    "find_runs",
+    "load_run",
+    "load_runs",
+    "results_table",
+    "tensorboard_available",
+    "to_csv",
+    "to_markdown",
+    "write_plots",
+    "write_report",
+    "write_tensorboard",
+]

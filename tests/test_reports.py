@@ -1,0 +1,202 @@
+"""``microsparse report`` and ``compare``: tables and plots from run files, clean refusals."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from microsparse.cli import main
+from microsparse.reports import load_runs, results_table
+from microsparse.reports import tensorboard as tensorboard_module
+from microsparse.stats import StepStats
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOT_FILES = ["metric_vs_epoch", "metric_vs_time", "density_vs_step", "time_breakdown"]
+STEPS_PER_EPOCH = 4
+
+
+def write_run(
+    directory: Path,
+    sparsifier: str,
+    metric: str,
+    values: list[float],
+    summary_metric: object = None,
+) -> Path:
+    """A run directory in the format ``microsparse train`` writes, with made-up numbers."""
+    directory.mkdir(parents=True)
+    numel, workers = 10_000, 2
+    target = numel if sparsifier == "dense" else 10
+    steps, epochs = [], []
+    for step in range(STEPS_PER_EPOCH * len(values)):
+        selected = target + (step % 3)
+        stats = StepStats(
+            step=step, numel=numel, world_size=workers, selected=selected, target=target,
+            threshold=0.1, local_selected=selected // 2, max_local_selected=selected // 2 + 1,
+            partition=None, bytes_sent=8 * selected, dense_bytes=4 * numel,
+            select_seconds=0.002, exchange_seconds=0.003,
+        )  # fmt: skip
+        record = {"step": step, "epoch": step // STEPS_PER_EPOCH, "loss": 1.0 / (step + 1)}
+        record.update(compute_seconds=0.01, step_seconds=0.016, **stats.as_record())
+        steps.append(record)
+    for epoch, value in enumerate(values):
+        steps_done = STEPS_PER_EPOCH * (epoch + 1)
+        epochs.append(
+            {"epoch": epoch, "steps": steps_done, "metric": metric, "value": value, metric: value}
+            | {"seconds": 2.0}
+        )
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (directory / "epochs.jsonl").write_text("".join(json.dumps(e) + "\n" for e in epochs))
+    summary = {
+        "config": {"sparsifier": sparsifier, "density": 0.001, "world_size": workers},
+        "task": "made-up",
+        "metric": metric if summary_metric is None else summary_metric,
+        "steps": len(steps),
+        "seconds": {"wall": 2.0 * len(values)},
+    }
+    (directory / "summary.json").write_text(json.dumps(summary))
+    return directory
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as file:
+        return list(csv.DictReader(file))
+
+
+def test_report_writes_a_table_row_per_run_and_the_plots(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    write_run(runs / "dense", "dense", "test_accuracy", [0.6, 0.8, 0.9])
+    write_run(runs / "topk", "topk", "test_accuracy", [0.5, 0.7, 0.8])
+    write_run(runs / "micro", "micro", "test_accuracy", [0.5, 0.86, 0.9])
+    out = tmp_path / "report"
+
+    assert main(["report", str(runs), "--out", str(out)]) == 0
+
+    rows = read_csv(out / "results.csv")
+    assert [row["run"] for row in rows] == ["dense", "micro", "topk"]
+    for column in ("final_metric", "epochs_to_target", "seconds_to_target", "mean_density",
+                   "ratio_error", "build_up", "bytes_per_step", "compute_ms", "select_ms",
+                   "exchange_ms"):  # fmt: skip
+        assert column in rows[0]
+    by_run = {row["run"]: row for row in rows}
+    # Default target: 95 % of dense's final 0.9 = 0.855, first reached in epoch 2 (4 s).
+    assert float(by_run["micro"]["target"]) == pytest.approx(0.855)
+    assert by_run["micro"]["epochs_to_target"] == "2"
+    assert float(by_run["micro"]["seconds_to_target"]) == pytest.approx(4.0)
+    assert by_run["topk"]["epochs_to_target"] == ""  # never reached
+    assert by_run["dense"]["metric"] == "test_accuracy"
+    assert float(by_run["micro"]["build_up"]) == pytest.approx(1.1, abs=0.01)
+    markdown = (out / "results.md").read_text()
+    assert "final test_accuracy (higher is better)" in markdown
+    assert markdown.count("| micro |") == 2  # quality table and cost table
+    for name in PLOT_FILES:
+        assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
+    assert "95% of the dense run's final test_accuracy" in capsys.readouterr().out
+
+
+def test_lower_is_better_metric_sets_the_target_above_dense(tmp_path):
+    write_run(tmp_path / "dense", "dense", "valid_perplexity", [300.0, 200.0, 150.0])
+    write_run(tmp_path / "micro", "micro", "valid_perplexity", [400.0, 170.0, 155.0])
+    table = results_table(load_runs([tmp_path]))
+    assert table.metric.name == "valid_perplexity" and not table.metric.higher_is_better
+    assert table.target.value == pytest.approx(157.5)
+    micro = next(row for row in table.rows if row["run"] == "micro")
+    assert micro["epochs_to_target"] == 3
+    assert micro["best_metric"] == 155.0
+
+
+def test_metric_named_by_the_summary_wins_and_given_target_is_used(tmp_path):
+    declared = {"name": "ndcg@10", "value": 0.3, "higher_is_better": True}
+    run = write_run(tmp_path / "micro", "micro", "ndcg@10", [0.1, 0.3], summary_metric=declared)
+    epochs = [json.loads(line) for line in (run / "epochs.jsonl").read_text().splitlines()]
+    # hr@10 comes first among known names: only the summary makes ndcg@10 the headline.
+    (run / "epochs.jsonl").write_text(
+        "".join(json.dumps(e | {"hr@10": 0.9}) + "\n" for e in epochs)
+    )
+    table = results_table(load_runs([run]), target=0.25)
+    assert table.metric.name == "ndcg@10"
+    assert table.target.source.startswith("given")
+    assert table.rows[0]["epochs_to_target"] == 2
+
+
+def test_unfinished_run_without_summary_is_reported_from_its_epochs(tmp_path):
+    run = write_run(tmp_path / "micro", "micro", "hr@10", [0.2, 0.4])
+    (run / "summary.json").unlink()
+    table = results_table(load_runs([run]))
+    assert table.metric.name == "hr@10" and table.metric.higher_is_better
+    assert table.rows[0]["final_metric"] == 0.4 and table.rows[0]["run"] == "micro"
+
+
+def test_tensorboard_events_or_a_clear_message(tmp_path, capsys, monkeypatch):
+    run = write_run(tmp_path / "micro", "micro", "test_accuracy", [0.5, 0.9])
+    logdir = tmp_path / "tb"
+    if tensorboard_module.tensorboard_available():
+        assert main(["report", str(run), "--no-plots", "--tensorboard", str(logdir)]) == 0
+        assert list((logdir / "micro").glob("events.out.tfevents.*"))
+    monkeypatch.setattr(tensorboard_module, "tensorboard_available", lambda: False)
+    capsys.readouterr()
+    assert main(["report", str(run), "--no-plots", "--tensorboard", str(logdir)]) == 2
+    assert "pip install tensorboard" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda d: d.mkdir(), "has no metrics.jsonl"),
+        (lambda d: None, "is not a directory"),
+        (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text("")), "has no step records"),
+        (lambda d: (d.mkdir(), (d / "metrics.jsonl").write_text("{\n{}\n")), "not valid JSON"),
+    ],
+)
+def test_report_refuses_missing_or_empty_runs_in_one_line(tmp_path, capsys, setup, message):
+    run = tmp_path / "run"
+    setup(run)
+    assert main(["report", str(run)]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("microsparse report: error: ")
+    assert message in error[0]
+
+
+def test_report_of_several_dirs_needs_out(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sparsifiers", "micro,nope"], "unknown 'nope'"),
+        (["--sparsifiers", "micro,micro"], "named twice"),
+        (["--task", "no-such-task"], "argument --task:"),
+        (["--", "--epochs", "1", "--out=x"], "--out after --"),
+    ],
+)
+def test_compare_refuses_bad_arguments_before_training(tmp_path, capsys, args, message):
+    assert main(["compare", *args, "--out", str(tmp_path / "cmp")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("microsparse compare: error: ")
+    assert message in error[0]
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_runs_each_sparsifier_and_reports(tmp_path):
+    out = tmp_path / "cmp"
+    result = subprocess.run(
+        [sys.executable, "-m", "microsparse", "compare", "--sparsifiers", "dense,micro",
+         "--workers", "2", "--density", "0.01", "--out", str(out), "--",
+         "--max-steps", "4", "--batch-size", "16"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for name in ("dense", "micro"):
+        records = (out / name / "metrics.jsonl").read_text().splitlines()
+        assert len(records) == 4
+        assert json.loads(records[0])["world_size"] == 2
+    assert [row["run"] for row in read_csv(out / "results.csv")] == ["dense", "micro"]
+    assert json.loads((out / "compare.json").read_text())["runs"] == ["dense", "micro"]
+    for name in PLOT_FILES:
+        assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
