@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from microsparse.cli import main
+from microsparse.cli import build_parser, main
+from microsparse.cli.train import _config as config_of
+from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 STEP_FIELDS = {
     "step", "epoch", "loss", "compute_seconds", "selected", "target", "density",
@@ -18,7 +20,7 @@ STEP_FIELDS = {
 SUMMARY_FIELDS = {
     "config", "steps", "test_accuracy", "final_loss", "ratio_error_mean",
     "ratio_error_mean_after_warmup", "after_warmup_steps", "traffic_ratio", "seconds",
-    "seconds_per_step",
+    "seconds_per_step", "task", "model", "metric", "metrics", "metric_names",
 }  # fmt: skip
 
 
@@ -45,6 +47,8 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
         str(out),
         "--integration",
         integration,
+        "--checkpoint-every",
+        "2",
     )
     assert result.returncode == 0, result.stderr
 
@@ -67,8 +71,22 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert summary["final_loss"] == records[-1]["loss"]
     assert summary["after_warmup_steps"] == [2, 4]
     assert summary["seconds"]["wall"] > sum(r["compute_seconds"] for r in records) > 0
-    assert len((out / "epochs.jsonl").read_text().splitlines()) == 1
+    assert summary["task"] == "mnist" and summary["model"] == "smallcnn"
+    assert summary["metric"] == "test_accuracy" and summary["higher_is_better"]
+    epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    assert len(epochs) == 1 and epochs[0]["metric"] == "test_accuracy"
+    assert epochs[0]["value"] == epochs[0]["test_accuracy"] == summary["test_accuracy"]
     assert "test accuracy" in result.stdout
+    if integration == "ddp":
+        return
+    # The same command resumes from the checkpoint and continues the files.
+    result = run_cli("train", "--resume", str(out), "--max-steps", "8", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(8))
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+    meta = json.loads((out / "checkpoint" / "meta.json").read_text())
+    assert (meta["step"], meta["epoch"], meta["batch"], meta["world_size"]) == (8, 0, 8, 2)
 
 
 @pytest.mark.parametrize(
@@ -84,6 +102,13 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
         (["--momentum", "1"], "--momentum"),
         (["--batch-size", "4000"], "--batch-size"),
         (["--integration", "ddp", "--sparsifier", "sage"], "--sparsifier"),
+        (["--task", "cifar10"], "--data-dir"),
+        (["--data-dir", "."], "--data-dir"),
+        (["--model-option", "depth=3"], "--model-option"),
+        (["--task-option", "bptt"], "--task-option"),
+        (["--integration", "ddp", "--capture-gradients", "x"], "--capture-gradients"),
+        (["--checkpoint-every", "0"], "--checkpoint-every"),
+        (["--decay-epochs", "a"], "--decay-epochs"),
     ],
 )
 def test_bad_option_exits_2_naming_the_option(args, option, capsys, tmp_path):
@@ -124,3 +149,86 @@ def test_failing_worker_is_reported_in_one_line_without_traceback(tmp_path):
     assert "NonFiniteGradientError" in last_line
     assert "Traceback" not in result.stderr
     assert "Traceback" in (out / "error.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "choices"),
+    [
+        (["--task", "imagenet"], "--task", "cifar10', 'cifar100', 'lm', 'mnist', 'recommendation"),
+        (["--model", "vgg"], "--model", "smallcnn, resnet18, senet18, googlenet"),
+        (["--task", "lm", "--model", "gpt"], "--model", "lstm-small, lstm"),
+    ],
+)
+def test_unknown_task_or_model_lists_the_choices(args, option, choices, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *args, "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument {option}:" in error and choices in error
+
+
+@pytest.mark.parametrize(
+    ("task", "write", "missing", "format_hint"),
+    [
+        ("cifar10", lambda d: write_cifar(d, 10, per_file=2), "data_batch_2", "CIFAR-10 python"),
+        ("cifar100", lambda d: write_cifar(d, 100, per_file=2), "train", "CIFAR-100 python"),
+        ("lm", write_wikitext, "wiki.test.tokens", "WikiText-2"),
+        ("recommendation", write_ratings, "ratings.csv", "userId,movieId,rating,timestamp"),
+    ],
+)
+def test_data_dir_missing_a_file_names_it_and_the_format(
+    task, write, missing, format_hint, capsys, tmp_path
+):
+    data = tmp_path / "data"
+    write(data)
+    (data / missing).unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--task", task, "--data-dir", str(data), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument --data-dir: --data-dir {data}: missing {missing}; expected" in error
+    assert format_hint in error
+
+
+def parsed_config(*args: str):
+    parser = build_parser()
+    parsed = parser.parse_args(["train", *args])
+    return config_of(parsed, parsed.parser)[0]
+
+
+def test_config_file_is_between_the_recipe_and_the_command_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"task": "lm", "lr": 3.0, "clip": 0.1, "epochs": 2}))
+    config = parsed_config("--config", str(path), "--lr", "7", "--out", str(tmp_path))
+    assert (config.task, config.lr, config.clip, config.epochs) == ("lm", 7.0, 0.1, 2)
+    assert config.task_options["bptt"] == 30  # the task's default
+    options = parsed_config("--task", "lm", "--model-option", "units=16", "--task-option", "bptt=7")
+    assert options.model_options["units"] == 16 and options.task_options["bptt"] == 7
+    epochwise = parsed_config("--checkpoint-every", "epoch", "--decay-epochs", "3,5")
+    assert epochwise.checkpoint_per_epoch and epochwise.decay_epochs == (3, 5)
+
+
+def test_config_file_with_an_unknown_key_exits_2(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"learning_rate": 3}')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(path), "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert "argument --config:" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_worker_counts_and_changed_options(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    saved = {"task": "mnist", "lr": 0.05, "out": str(run)}
+    meta = {"epoch": 0, "batch": 3, "step": 3, "world_size": 2, "config": saved}
+    (run / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    for args, message in [
+        ([str(tmp_path)], f"argument --resume: {tmp_path / 'checkpoint' / 'meta.json'} does not"),
+        ([str(run), "--workers", "3"], "argument --workers: the checkpoint was written by 2"),
+        ([str(run), "--lr", "0.1"], "argument --lr: cannot change when resuming"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--resume", *args])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

