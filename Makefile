@@ -7,12 +7,14 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev,data,plots]"
+	# MovieLens-100K ships in recbole, whose own dependency pins are unusable: no deps.
+	$(PY) -m pip install --quiet --no-deps recbole
 	touch $@
 
 demo: $(READY)
@@ -20,6 +22,26 @@ demo: $(READY)
 
 test: $(READY)
 	$(PY) -m pytest tests src/microsparse
+
+# The measurements of docs/BENCHMARKS.md, into $(BENCH); the plots are copied to docs/img.
+# About an hour on 2 shared cores. One torch thread by default: on a busy machine, 2 threads
+# make small kernels wait on each other; set BENCH_FLAGS= to use torch's default.
+BENCH ?= runs/bench
+BENCH_FLAGS ?= --threads 1
+MICROSPARSE := $(VENV)/bin/microsparse
+
+bench: $(READY)
+	$(MICROSPARSE) bench select $(BENCH_FLAGS) --out $(BENCH)/select
+	$(MICROSPARSE) train --workers 4 --max-steps 150 --capture-gradients $(BENCH)/capture \
+		--capture-steps 150 --no-progress --out $(BENCH)/capture-train
+	$(MICROSPARSE) bench controller --capture $(BENCH)/capture $(BENCH_FLAGS) \
+		--out $(BENCH)/controller
+	if [ "$$(id -u)" = 0 ]; then $(MICROSPARSE) bench cluster --quick --out $(BENCH)/cluster; fi
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture --predict \
+		--select-results $(BENCH)/select/select.json \
+		--cluster-results $(BENCH)/cluster/results.json $(BENCH_FLAGS) --out $(BENCH)/simulate
+	mkdir -p docs/img
+	cp $(BENCH)/select/*.png $(BENCH)/controller/*.png $(BENCH)/simulate/*.png docs/img/
 
 lint: $(READY)
 	$(VENV)/bin/ruff check src tests
