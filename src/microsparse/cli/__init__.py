@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from microsparse.cli import train
+from microsparse.cli import bench, compare, report, simulate, train
 
-COMMANDS = [train]
+COMMANDS = [train, compare, report, simulate, bench]
 """Modules with ``add_parser(commands)``; the parser they add sets ``run(args, parser)``."""
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks run by ``microsparse bench``: one module per benchmark."""

@@ -1,0 +1,77 @@
+"""Options shared by ``microsparse bench select``, ``bench controller`` and ``simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from microsparse.cli import arguments
+
+T = TypeVar("T")
+
+
+def listing(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """An argument type for comma-separated values of type ``item``.
+
+    Example:
+        >>> listing(int)("1, 4,16")
+        (1, 4, 16)
+    """
+
+    def parse(text: str) -> tuple[T, ...]:
+        parts = [part.strip() for part in text.split(",") if part.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        return tuple(dict.fromkeys(item(part) for part in parts))
+
+    return parse
+
+
+positive_ints = listing(arguments.positive_int)
+positive_floats = listing(arguments.positive_float)
+names = listing(str)
+
+
+def add_common(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
+    add = parser.add_argument
+    add("--out", default=None, help=f"output directory (default runs/bench/{name}-TIMESTAMP)")
+    add(
+        "--threads",
+        type=arguments.positive_int,
+        default=None,
+        help=f"torch CPU threads (default: torch's, here {torch.get_num_threads()})",
+    )
+    add("--no-plots", action="store_true", help="write JSON and Markdown only")
+    add("--quiet", action="store_true", help="no progress lines")
+
+
+def prepare(args: argparse.Namespace, name: str) -> Path:
+    """Apply ``--threads``; return the output directory."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return Path(args.out or f"runs/bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def finish(
+    write: Callable[..., list[Path]],
+    markdown: Callable[[dict[str, Any]], str],
+    result: dict[str, Any],
+    out: Path,
+    args: argparse.Namespace,
+) -> int:
+    """Write the outputs, print the table and where everything went."""
+    try:
+        written = write(result, out, plots=not args.no_plots)
+    except ModuleNotFoundError as error:  # matplotlib missing
+        written = write(result, out, plots=False)
+        print(f"note: {error}")
+    if not args.quiet:
+        print(markdown(result))
+    print("wrote " + ", ".join(str(path) for path in written))
+    return 0

@@ -1,0 +1,246 @@
+"""The benchmark tools run once each on tiny sizes and write well-formed output.
+
+Nothing here asserts on a timing: benchmarks are not timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from microsparse.bench import costmodel
+from microsparse.bench.capture import CaptureError, load_capture
+from microsparse.bench.peers import reducer_with_peers
+from microsparse.bench.workload import model_layout, variants
+from microsparse.cli import bench, main
+from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
+
+pytest.importorskip("matplotlib")
+
+
+def run_bench(*argv: str) -> int:
+    """``microsparse bench ...`` through the sub-command parsers of ``cli/bench.py``."""
+    parser = argparse.ArgumentParser(prog="microsparse")
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", *argv])
+    return args.run(args, args.parser)
+
+
+def table_rows(markdown: str, first_cell: str) -> list[list[str]]:
+    rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row] for row in rows if row[0].strip() == first_cell]
+
+
+def write_capture(directory, ranks=2, steps=3, sizes=(300, 20, 180), scale=1e-3) -> torch.Tensor:
+    """A capture directory in ``microsparse train --capture-gradients``'s format."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shapes = [[size] for size in sizes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    layout = {"names": [f"layer{i}" for i in range(len(sizes))], "shapes": shapes,
+              "offsets": offsets, "numel": sum(sizes), "task": "test", "model": "tiny",
+              "world_size": ranks, "steps": steps}  # fmt: skip
+    (directory / "layout.json").write_text(json.dumps(layout))
+    generator = torch.Generator().manual_seed(0)
+    first = None
+    for rank in range(ranks):
+        for step in range(steps):
+            gradient = torch.randn(sum(sizes), generator=generator) * scale
+            torch.save(gradient, directory / f"grad-rank{rank}-step{step:06d}.pt")
+            first = gradient if first is None else first
+    return first
+
+
+def test_select_writes_a_row_per_sparsifier_and_n(tmp_path):
+    out = tmp_path / "select"
+    code = run_bench(
+        "select", "--sizes", "20000", "--partitions", "1,4", "--repeats", "1", "--budget", "0.1",
+        "--devices", "cpu", "--threads", "1", "--quiet", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "select.json").read_text())
+    labels = [v.label for v in variants()]
+    assert {(r["sparsifier"], r["world_size"]) for r in result["rows"]} == {
+        (label, n) for label in labels for n in (1, 4)
+    }
+    for row in result["rows"]:
+        assert row["select_ms"] >= 0 and row["overhead_ms"] > 0 and row["numel"] == 20_000
+        assert math.isclose(row["overhead_per_pass"] * result["floors"][0]["pass_ms"],
+                            row["overhead_ms"])  # fmt: skip
+    assert result["floors"][0]["topk_ms"] > 0 and result["machine"]["cpus"] >= 1
+    markdown = (out / "select.md").read_text()
+    for label in labels:
+        assert len(table_rows(markdown, label)) == 2  # selection and overhead tables
+    assert (out / "select_vs_n.png").stat().st_size > 0
+    assert (out / "overhead_vs_n.png").stat().st_size > 0
+
+
+def test_controller_covers_every_rule_and_stream_including_captured(tmp_path):
+    capture = tmp_path / "capture"
+    first = write_capture(capture, scale=0.1)
+    out = tmp_path / "controller"
+    code = run_bench(
+        "controller", "--numel", "20000", "--density", "0.05", "--steps", "30", "--drop-at", "10",
+        "--rise-at", "20", "--capture", str(capture), "--capture-density", "0.05", "--quiet",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "controller.json").read_text())
+    streams = ("stationary", "scale-drop", "captured")
+    assert {(r["stream"], r["rule"]) for r in result["rows"]} == {
+        (stream, rule) for stream in streams for rule in THRESHOLD_RULES
+    }
+    for row in result["rows"]:
+        assert len(row["ratios"]) == (3 if row["stream"] == "captured" else 30)
+        assert all(r >= 0 for r in row["ratios"])
+        assert row["steps_to_converge"] is None or 0 <= row["steps_to_converge"] < 30
+    # Every rule sees the captured gradients as they were saved (not what a run wrote back).
+    k = int(0.05 * 500)
+    sent_first = int((first.abs() >= initial_threshold(k)).sum())
+    for row in result["rows"]:
+        if row["stream"] == "captured" and row["rule"] != "quantile":
+            assert row["ratios"][0] == sent_first / k
+    dropped = [r for r in result["rows"] if r["stream"] == "scale-drop"]
+    assert all("steps_to_recover_after_drop" in r for r in dropped)
+    markdown = (out / "controller.md").read_text()
+    for stream in streams:
+        assert len(table_rows(markdown, stream)) == len(THRESHOLD_RULES)
+    assert (out / "density_vs_step.png").stat().st_size > 0
+
+
+def test_controller_with_virtual_workers(tmp_path):
+    out = tmp_path / "controller"
+    code = run_bench(
+        "controller", "--numel", "5000", "--density", "0.05", "--steps", "6", "--drop-at", "2",
+        "--rise-at", "4", "--workers", "4", "--rules", "symmetric", "--no-plots", "--quiet",
+        "--out", str(out),
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "controller.json").read_text())
+    assert [r["rule"] for r in result["rows"]] == ["symmetric", "symmetric"]
+
+
+def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
+    capture = tmp_path / "capture"
+    write_capture(capture, ranks=2, steps=2, sizes=(3000, 40, 960))
+    cluster = tmp_path / "results.json"
+    cluster.write_text(json.dumps({"configurations": [{
+        "hosts": 2, "rate": "1gbit",
+        "probe": {"nominal_gbit_per_s": 1.0, "wire_gbit_per_s": 0.95},
+        "rows": [
+            {"sparsifier": name, "parameters": 4000, "density": density, "step_ms": 50.0,
+             "compute_ms": 40.0, "select_ms": 1.0, "exchange_ms": 8.0, "other_ms": 1.0}
+            for name, density in (("dense", 1.0), ("micro", 0.05), ("none", None))
+        ],
+    }]}))  # fmt: skip
+    select = tmp_path / "select.json"  # what `bench select` wrote, for micro at d = 4000
+    select.write_text(json.dumps({
+        "rows": [{"device": "cpu", "sparsifier": "micro", "numel": 4000, "world_size": 2,
+                  "overhead_ms": 5.0, "select_ms": 1.0}],
+        "floors": [{"device": "cpu", "numel": 4000, "compensate_ms": 0.5}],
+    }))  # fmt: skip
+    out = tmp_path / "simulate"
+    code = main([
+        "simulate", "--workers", "1,4", "--capture", str(capture), "--steps", "3",
+        "--warmup", "1", "--predict", "--predict-workers", "4,16", "--rates", "10,100",
+        "--cluster-results", str(cluster), "--select-results", str(select), "--threads", "1",
+        "--quiet", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "simulate.json").read_text())
+    labels = [v.label for v in variants()]
+    assert {(r["sparsifier"], r["world_size"]) for r in result["rows"]} == {
+        (label, n) for label in labels for n in (1, 4)
+    }
+    assert result["numel"] == 4000 and result["noise_ratio"] > 0
+    for row in result["rows"]:
+        assert row["build_up"] >= 0 and row["bytes_per_worker"] >= 0 and row["padding"] >= 0
+        if row["world_size"] == 1:
+            assert row["bytes_per_worker"] == 0
+        if row["exchange"] in ("exclusive", "shared", "dense"):
+            assert row["overlap"] == pytest.approx(1.0 if row["exchange"] == "exclusive"
+                                                   else row["world_size"])  # fmt: skip
+    predicted = result["prediction"]["rows"]
+    assert len(predicted) == len(labels) * 2 * 2
+    assert all(r["step_ms"] > 0 for r in predicted)
+    validated = result["validation"]["rows"]
+    assert [r["sparsifier"] for r in validated] == ["dense", "micro"]
+    assert all(r["predicted_exchange_ms_probed"] > 0 for r in validated)
+    micro = validated[1]
+    assert micro["local_exchange_ms"] == pytest.approx(5.0 - 1.0 - 0.5)
+    assert micro["predicted_step_ms_probed_plus_local"] == pytest.approx(
+        40.0 + 1.0 + 1.0 + micro["predicted_exchange_ms_probed"] + 3.5
+    )
+    markdown = (out / "simulate.md").read_text()
+    for label in labels:
+        assert len(table_rows(markdown, label)) == 2 + 2  # simulation rows + one per rate
+    assert (out / "simulate.png").stat().st_size > 0 and (out / "predict.png").stat().st_size > 0
+
+
+def test_cost_model_on_a_hand_computed_example():
+    network = costmodel.Network.of(gbit_per_s=8.0, latency_us=10.0)  # β = 1e9 bytes/s
+    assert network.bandwidth == 1e9
+    # Ring all-reduce of 1 MB over 4 workers: 2·3·(10 µs + 250 kB / 1 GB/s) = 1.56 ms.
+    assert costmodel.all_reduce_seconds(1e6, 4, network) == pytest.approx(1.56e-3)
+    # All-gather of 4 kB per rank over 4 workers: 3·(10 µs + 4 µs) = 42 µs.
+    assert costmodel.all_gather_seconds(4000, 4, network) == pytest.approx(42e-6)
+    # Broadcast of 1 MB to 8: tree 3·(10 µs + 1 ms) = 3.03 ms; chain 7·10 µs + 1 ms = 1.07 ms.
+    assert costmodel.broadcast_seconds(1e6, 8, network) == pytest.approx(1.07e-3)
+    assert costmodel.all_reduce_seconds(1e6, 1, network) == 0.0
+    # One MiCRO step: header (24 B), padded indices (300 × 4 B), values (1000 × 4 B), n = 4.
+    shape = costmodel.StepShape("exclusive", numel=10**6, selected=1000, max_local_selected=300)
+    expected = 3 * (10e-6 + 24e-9) + 3 * (10e-6 + 1.2e-6) + 6 * (10e-6 + 1e-6)
+    assert costmodel.step_seconds(shape, 4, network, compute=0.02, overhead=0.001) == (
+        pytest.approx(0.021 + expected)
+    )
+    # "best": small messages go by recursive doubling, 10 rounds instead of 2·1023 ring steps.
+    assert costmodel.collective_seconds("all_reduce", 100, 1024, network, "best") == (
+        pytest.approx(10 * (10e-6 + 100e-9))
+    )
+    assert costmodel.collective_seconds("all_reduce", 1e6, 4, network, "best") == (
+        pytest.approx(1.56e-3)  # the ring is faster for 1 MB over 4 workers
+    )
+    doubled = costmodel.scaled(shape, 2 * 10**6)
+    assert (doubled.selected, doubled.max_local_selected) == (2000, 600)
+
+
+def test_capture_reader_reads_what_the_test_wrote(tmp_path):
+    first = write_capture(tmp_path, ranks=2, steps=3)
+    capture = load_capture(tmp_path)
+    assert capture.ranks == [0, 1] and capture.steps == 3 and capture.layout.numel == 500
+    assert capture.layout.names == ("layer0", "layer1", "layer2")
+    assert capture.metadata["model"] == "tiny"
+    assert torch.equal(capture.gradient(0, 0), first)
+    mean = capture.mean_gradient(1)
+    assert torch.allclose(mean, (capture.gradient(0, 1) + capture.gradient(1, 1)) / 2)
+
+
+def test_capture_reader_names_what_is_wrong(tmp_path):
+    with pytest.raises(CaptureError, match="no such directory"):
+        load_capture(tmp_path / "absent")
+    write_capture(tmp_path, ranks=1, steps=3)
+    (tmp_path / "grad-rank0-step000001.pt").unlink()
+    with pytest.raises(CaptureError, match="lacks steps \\[1\\]"):
+        load_capture(tmp_path)
+    torch.save(torch.zeros(7), tmp_path / "grad-rank0-step000001.pt")
+    with pytest.raises(CaptureError, match="500 entries"):
+        load_capture(tmp_path).gradient(0, 1)
+    (tmp_path / "layout.json").unlink()
+    with pytest.raises(CaptureError, match="layout.json is missing"):
+        load_capture(tmp_path)
+
+
+def test_reducer_over_symmetric_peers_sends_as_rank_0_of_n():
+    layout = model_layout(10_000)
+    parameters = [(name, torch.nn.Parameter(torch.zeros(shape)))
+                  for name, shape in zip(layout.names, layout.shapes)]  # fmt: skip
+    for _, p in parameters:
+        p.grad = torch.randn(p.shape)
+    reducer = reducer_with_peers(parameters, "topk", 0.01, rank=0, world_size=8)
+    stats = reducer.synchronize()
+    assert stats.world_size == 8 and stats.local_selected == 100
+    assert stats.selected == 100 and stats.proposed == 800  # identical peers: full overlap
+    assert stats.bytes_sent > 0
