@@ -12,6 +12,7 @@ from microsparse.comm import all_gather_bytes, all_gather_flat, all_reduce_bytes
 from microsparse.ddp.memory import BucketMemory
 from microsparse.ddp.state import SparseState, accumulator_dtype
 from microsparse.errors import NonFiniteGradientError
+from microsparse.feedback.residual import any_nonfinite
 
 _FLAG, _COUNT, _CANDIDATES, _HEADER = 0, 1, 2, 3  # layout of the index message
 
@@ -92,7 +93,7 @@ def _average_sparse(
 
     index_dtype = torch.int32 if memory.numel <= torch.iinfo(torch.int32).max else torch.long
     message = torch.zeros(_HEADER + capacity, dtype=index_dtype, device=buffer.device)
-    message[_FLAG] = ~torch.isfinite(residual.sum(dtype=torch.float64))
+    message[_FLAG] = any_nonfinite(residual)
     message[_COUNT] = local.numel()
     message[_CANDIDATES] = candidates
     message[_HEADER : _HEADER + local.numel()] = local

@@ -43,5 +43,17 @@ class ErrorFeedback:
 
     def nonfinite(self) -> torch.Tensor:
         """A 0-d bool tensor, True if a contains NaN or Inf (one pass, no host sync)."""
-        # NaN and Inf survive a sum; float64 accumulation keeps large finite values finite.
-        return ~torch.isfinite(self.accumulated.sum(dtype=torch.float64))
+        return any_nonfinite(self.accumulated)
+
+
+def any_nonfinite(values: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor, True if ``values`` holds NaN or Inf: one read-only pass, no sync.
+
+    Example:
+        >>> any_nonfinite(torch.tensor([1.0, float("inf")])).item()
+        True
+    """
+    # NaN propagates into min and max, and an Inf is the min or the max; unlike a sum, this
+    # cannot overflow on large finite values, and it needs no float64 copy of the vector.
+    low, high = torch.aminmax(values)
+    return ~(torch.isfinite(low) & torch.isfinite(high))
