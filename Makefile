@@ -24,7 +24,7 @@ test: $(READY)
 	$(PY) -m pytest tests src/microsparse
 
 # The measurements of docs/BENCHMARKS.md, into $(BENCH); the plots are copied to docs/img.
-# About an hour on 2 shared cores. One torch thread by default: on a busy machine, 2 threads
+# About two hours on 2 busy cores (bench select alone about one). One torch thread by default: on a busy machine, 2 threads
 # make small kernels wait on each other; set BENCH_FLAGS= to use torch's default.
 BENCH ?= runs/bench
 BENCH_FLAGS ?= --threads 1
@@ -40,8 +40,11 @@ bench: $(READY)
 	$(MICROSPARSE) simulate --capture $(BENCH)/capture --predict \
 		--select-results $(BENCH)/select/select.json \
 		--cluster-results $(BENCH)/cluster/results.json $(BENCH_FLAGS) --out $(BENCH)/simulate
+	$(MICROSPARSE) simulate --from $(BENCH)/simulate/simulate.json --predict --algorithms best \
+		--select-results $(BENCH)/select/select.json --out $(BENCH)/simulate-best
 	mkdir -p docs/img
 	cp $(BENCH)/select/*.png $(BENCH)/controller/*.png $(BENCH)/simulate/*.png docs/img/
+	cp $(BENCH)/simulate-best/predict.png docs/img/predict-best.png
 
 lint: $(READY)
 	$(VENV)/bin/ruff check src tests

@@ -76,6 +76,11 @@ def test_select_writes_a_row_per_sparsifier_and_n(tmp_path):
         assert len(table_rows(markdown, label)) == 2  # selection and overhead tables
     assert (out / "select_vs_n.png").stat().st_size > 0
     assert (out / "overhead_vs_n.png").stat().st_size > 0
+    again = tmp_path / "again"
+    assert (
+        run_bench("select", "--from", str(out / "select.json"), "--quiet", "--out", str(again)) == 0
+    )
+    assert (again / "select.md").read_text() == markdown
 
 
 def test_controller_covers_every_rule_and_stream_including_captured(tmp_path):
@@ -109,6 +114,10 @@ def test_controller_covers_every_rule_and_stream_including_captured(tmp_path):
     for stream in streams:
         assert len(table_rows(markdown, stream)) == len(THRESHOLD_RULES)
     assert (out / "density_vs_step.png").stat().st_size > 0
+    again = tmp_path / "again"
+    code = run_bench("controller", "--from", str(out / "controller.json"), "--quiet", "--out",
+                     str(again))  # fmt: skip
+    assert code == 0 and (again / "controller.md").read_text() == markdown
 
 
 def test_controller_with_virtual_workers(tmp_path):
@@ -178,6 +187,16 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
     for label in labels:
         assert len(table_rows(markdown, label)) == 2 + 2  # simulation rows + one per rate
     assert (out / "simulate.png").stat().st_size > 0 and (out / "predict.png").stat().st_size > 0
+    # The model again, from the written simulation, without simulating.
+    again = tmp_path / "again"
+    code = main([
+        "simulate", "--from", str(out / "simulate.json"), "--predict", "--algorithms", "best",
+        "--predict-workers", "1024", "--no-plots", "--quiet", "--out", str(again),
+    ])  # fmt: skip
+    assert code == 0
+    redone = json.loads((again / "simulate.json").read_text())
+    assert redone["rows"] == result["rows"]
+    assert {r["world_size"] for r in redone["prediction"]["rows"]} == {1024}
 
 
 def test_cost_model_on_a_hand_computed_example():

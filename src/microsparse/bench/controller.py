@@ -33,6 +33,7 @@ from __future__ import annotations
 import inspect
 import math
 import statistics
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -356,6 +357,8 @@ def markdown(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], out: Path) -> list[Path]:
     """``density_vs_step.png``: K/k per step, one panel per stream, one line per rule."""
     plt = pyplot()
+    from matplotlib import ticker
+
     config = result["config"]
     streams = list(dict.fromkeys(row["stream"] for row in result["rows"]))
     figure, axes = plt.subplots(
@@ -371,7 +374,11 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
                 axis.axvline(at, color="grey", linestyle="--", linewidth=0.8)
         axis.set_yscale("log")
         axis.set_ylabel("actual / target density")
-        axis.set_title(f"{stream}: {result['streams'][stream]}", fontsize=8)
+        title = textwrap.fill(f"{stream}: {result['streams'][stream]}", 110)
+        axis.set_title(title, fontsize=8)
+        axis.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        axis.yaxis.set_minor_formatter(ticker.NullFormatter())
         axis.grid(True, alpha=0.3)
     axes[-1][0].set_xlabel("step")
     axes[0][0].legend(fontsize=8, loc="upper right")

@@ -367,7 +367,8 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
                 for r in result["rows"]
                 if r["device"] == floor["device"] and r["numel"] == floor["numel"]
             ]
-            for label in dict.fromkeys(r["sparsifier"] for r in rows):
+            labels = list(dict.fromkeys(r["sparsifier"] for r in result["rows"]))
+            for index, label in enumerate(labels):
                 mine = [r for r in rows if r["sparsifier"] == label]
                 if label == "dense" and part == "select":
                     continue  # selects nothing
@@ -377,19 +378,24 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
                     marker="o",
                     markersize=3,
                     label=label,
+                    color=f"C{index}",  # the same colour in both plots
                 )
             axis.axhline(floor["topk_ms"], color="black", linestyle="--", linewidth=1)
             axis.axhline(floor["pass_ms"], color="grey", linestyle=":", linewidth=1)
             axis.text(1, floor["topk_ms"], " topk", va="bottom", fontsize=7)
             axis.text(1, floor["pass_ms"], " one pass", va="bottom", fontsize=7)
+            workers = sorted({r["world_size"] for r in rows})
             axis.set_xscale("log", base=2)
+            axis.set_xticks(workers, [str(n) for n in workers])
+            axis.minorticks_off()
             axis.set_yscale("log")
             axis.set_xlabel("workers n (partitions)")
             axis.set_title(f"{floor['device']}, d = {floor['numel']:,}", fontsize=9)
             axis.grid(True, which="major", alpha=0.3)
         axes[0][0].set_ylabel(f"{title}, ms (median)")
-        axes[0][-1].legend(fontsize=7, loc="upper left")
-        figure.tight_layout()
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        figure.legend(handles, labels, fontsize=7, loc="center right")
+        figure.tight_layout(rect=(0, 0, 0.86, 1))
         path = out / f"{part}_vs_n.png"
         figure.savefig(path, dpi=90)
         plt.close(figure)

@@ -410,7 +410,7 @@ def markdown(result: dict[str, Any]) -> str:
             significant(r["overlap"]),
             significant(r["padding"], 2) if r["world_size"] > 1 else "–",
             significant(r["bytes_per_worker"] / 1e3),
-            significant(100 * r["traffic_ratio"], 2),
+            significant(100 * r["traffic_ratio"], 2) if r["traffic_ratio"] is not None else "–",
             significant(r["select_ms"]),
             significant(r["select_ms_slowest"]),
         ]
@@ -446,7 +446,7 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
         f"Predicted step time, ms, d = {config['numel']:,}, α = {config['latency_us']:g} µs, "
         f"{config.get('algorithms', 'ring')} collectives, "
         f"compute {config['compute_ms']:g} ms; local overhead: {prediction['overhead_source']}. "
-        "Cells: step ms (speed-up over dense).",
+        "Cells: step ms (of which communication; speed-up over dense).",
     ]
     for gbit in config["rates_gbit"]:
         rows = [r for r in prediction["rows"] if r["gbit_per_s"] == gbit]
@@ -457,7 +457,8 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
                 [label]
                 + [
                     f"{significant(cells[n]['step_ms'])} "
-                    f"({significant(cells[n]['speedup_vs_dense'] or math.nan, 2)}×)"
+                    f"({significant(cells[n]['communication_ms'], 2)} comm; "
+                    f"{significant(cells[n]['speedup_vs_dense'] or math.nan, 2)}×)"
                     for n in workers
                 ]
             )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from microsparse.bench import controller
 from microsparse.bench.capture import CaptureError
@@ -91,6 +93,13 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         default=1,
         help="virtual workers; 1 is a GradientReducer without a process group (default: 1)",
     )
+    add(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        default=None,
+        help="rewrite the table and plot from an earlier controller.json instead of running",
+    )
     add("--quick", action="store_true", help="d = 200,000 at density 0.05, 400 steps")
     bench_options.add_common(parser, "controller")
     parser.set_defaults(run=_run, parser=parser)
@@ -124,8 +133,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{config.drop_at}, {config.rise_at}, {config.steps}"
         )
     try:
-        result = controller.run(config, progress=not args.quiet)
-    except (CaptureError, ValueError) as error:
+        if args.from_file:
+            result = json.loads(Path(args.from_file).read_text())
+        else:
+            result = controller.run(config, progress=not args.quiet)
+    except (CaptureError, ValueError, OSError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     return bench_options.finish(controller.write, controller.markdown, result, out, args)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -61,6 +63,13 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)",
     )
     add("--sparsifiers", type=bench_options.names, default=None, help="labels (default: all)")
+    add(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        default=None,
+        help="rewrite the table and plots from an earlier select.json instead of measuring",
+    )
     add("--quick", action="store_true", help="d = 1 M, n = 1, 16, 256, 5 repeats")
     bench_options.add_common(parser, "select")
     parser.set_defaults(run=_run, parser=parser)
@@ -82,8 +91,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         only=args.sparsifiers,
     )
     try:
-        result = select.run(config, progress=not args.quiet)
-    except ValueError as error:
+        if args.from_file:
+            result = json.loads(Path(args.from_file).read_text())
+        else:
+            result = select.run(config, progress=not args.quiet)
+    except (ValueError, OSError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 2
     return bench_options.finish(select.write, select.markdown, result, out, args)

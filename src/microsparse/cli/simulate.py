@@ -160,8 +160,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         only=args.sparsifiers,
     )
     try:
-        if args.from_file:
+        if args.from_file:  # the simulation only: the model is redone below, or left out
             result = json.loads(Path(args.from_file).read_text())
+            result.pop("prediction", None)
+            result.pop("validation", None)
         else:
             result = simulate.run(config, progress=not args.quiet)
     except (CaptureError, ValueError, OSError) as error:
