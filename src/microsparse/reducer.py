@@ -93,7 +93,6 @@ class GradientReducer:
         dtype = _accumulator_dtype(self._params)
         self._feedback = ErrorFeedback(self.layout, dtype, first.device)
         self._averaged = FlatVector(self.layout, dtype, first.device)  # reused every step
-        self._feedback_views = _views(self._feedback.accumulated, self.layout)
         self._written = torch.empty(0, dtype=torch.long, device=first.device)
         self.step = 0
         self.last_step: StepStats | None = None
@@ -228,7 +227,7 @@ class GradientReducer:
         """``dense``: all-reduce the whole vector in place; nothing is left behind."""
         sent = self._comm.sum_(accumulated)
         accumulated.div_(self._comm.world_size)
-        self._copy_to_grads(self._feedback_views)
+        self._copy_to_grads(self._feedback.views)
         accumulated.zero_()
         numel = self.layout.numel
         return _Exchanged(numel, numel, numel, numel, sent)
@@ -372,13 +371,6 @@ class _Exchanged(NamedTuple):
     max_local_selected: int
     proposed: int
     bytes_sent: int
-
-
-def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    return [
-        flat[offset : offset + size].view(shape)
-        for offset, size, shape in zip(layout.offsets, layout.sizes, layout.shapes)
-    ]
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

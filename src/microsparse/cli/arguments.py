@@ -8,14 +8,24 @@ import math
 from microsparse.sparsifiers import validate_density
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number >= {minimum}, got {text!r}"
+        ) from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return whole_number(text, 0)
 
 
 def number(text: str) -> float:

@@ -112,7 +112,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--lr", type=arguments.positive_float, help="base learning rate")
     add(
         "--lr-reference-batch",
-        type=_whole,
+        type=arguments.non_negative_int,
         help="the lr is scaled by batch size x workers / this (0: not scaled)",
     )
     add("--momentum", type=arguments.momentum, help="SGD momentum, in [0, 1)")
@@ -315,16 +315,6 @@ def _assignment(text: str) -> tuple[str, Any]:
         return name, value
 
 
-def _whole(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def _non_negative(text: str) -> float:
     value = arguments.number(text)
     if not (value >= 0 and value != float("inf")):  # NaN fails this too
@@ -333,7 +323,7 @@ def _non_negative(text: str) -> float:
 
 
 def _epoch_list(text: str) -> tuple[int, ...]:
-    return tuple(_whole(part) for part in text.split(",") if part.strip())
+    return tuple(arguments.non_negative_int(part) for part in text.split(",") if part.strip())
 
 
 def _checkpoint_every(text: str) -> int | str:

@@ -30,10 +30,12 @@ class ErrorFeedback:
     def __init__(self, layout: Layout, dtype: torch.dtype, device: torch.device) -> None:
         self._vector = FlatVector(layout, dtype, device)
         self.accumulated = self._vector.data
+        self.views = self._vector.views
+        """``accumulated`` shaped like each parameter."""
 
     def compensate(self, gradients: Sequence[torch.Tensor | None]) -> None:
         """a ← e + g, in place. A missing gradient (unused parameter) counts as zero."""
-        for view, gradient in zip(self._vector.views, gradients):
+        for view, gradient in zip(self.views, gradients):
             if gradient is not None:
                 view.add_(gradient)
 
