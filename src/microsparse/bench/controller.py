@@ -48,7 +48,7 @@ from microsparse.bench.output import (
     markdown_table,
     pyplot,
     significant,
-    write_json,
+    write_results,
 )
 from microsparse.bench.virtual import VirtualCluster
 from microsparse.bench.workload import (
@@ -391,11 +391,4 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 
 def write(result: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
     """Write ``controller.json``, ``controller.md`` and (with ``plots``) the PNG into ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "controller.json", result)
-    (out / "controller.md").write_text(markdown(result) + "\n")
-    written = [out / "controller.json", out / "controller.md"]
-    if plots:
-        written += plot(result, out)
-    return written
+    return write_results("controller", result, out, markdown, plot if plots else None)

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,24 @@ def _memory_gib() -> float:
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+
+
+def write_results(
+    name: str,
+    result: dict[str, Any],
+    out: str | Path,
+    markdown: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], list[Path]] | None,
+) -> list[Path]:
+    """Write ``NAME.json``, ``NAME.md`` and (given ``plot``) its PNGs into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"{name}.json", result)
+    (out / f"{name}.md").write_text(markdown(result) + "\n")
+    written = [out / f"{name}.json", out / f"{name}.md"]
+    if plot is not None:
+        written += plot(result, out)
+    return written
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

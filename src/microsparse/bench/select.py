@@ -40,7 +40,7 @@ from microsparse.bench.output import (
     markdown_table,
     pyplot,
     significant,
-    write_json,
+    write_results,
 )
 from microsparse.bench.peers import reducer_with_peers
 from microsparse.bench.timing import Timing, choose_clock, median_time
@@ -405,11 +405,4 @@ def plot(result: dict[str, Any], out: Path) -> list[Path]:
 
 def write(result: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
     """Write ``select.json``, ``select.md`` and (with ``plots``) the PNGs into ``out``."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "select.json", result)
-    (out / "select.md").write_text(markdown(result) + "\n")
-    written = [out / "select.json", out / "select.md"]
-    if plots:
-        written += plot(result, out)
-    return written
+    return write_results("select", result, out, markdown, plot if plots else None)

@@ -39,7 +39,14 @@ import torch
 
 from microsparse.bench import costmodel
 from microsparse.bench.capture import CapturedGradients, load_capture
-from microsparse.bench.output import describe_machine, machine, markdown_table, pyplot, significant
+from microsparse.bench.output import (
+    describe_machine,
+    machine,
+    markdown_table,
+    pyplot,
+    significant,
+    write_results,
+)
 from microsparse.bench.virtual import StepRecord, VirtualCluster, zero_gradient
 from microsparse.bench.workload import (
     RESNET18_NUMEL,
@@ -641,13 +648,4 @@ def _workers_axis(axis: Any, workers: list[int]) -> None:
 
 def write(result: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
     """Write ``simulate.json``, ``simulate.md`` and (with ``plots``) the PNGs into ``out``."""
-    from microsparse.bench.output import write_json
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "simulate.json", result)
-    (out / "simulate.md").write_text(markdown(result) + "\n")
-    written = [out / "simulate.json", out / "simulate.md"]
-    if plots:
-        written += plot(result, out)
-    return written
+    return write_results("simulate", result, out, markdown, plot if plots else None)
