@@ -68,6 +68,9 @@ def micro_reference(
 ) -> list[dict]:
     """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step.
 
+    ``rule="quota"``: at step t every rank sends the q_t largest |a| of its partition (all of
+    it if smaller), q_t = floor((t+1)·k/n) − floor(t·k/n); no threshold, no fallback.
+
     With ``capacity_factor`` (the fixed index message), a rank whose picks exceed
     ceil(capacity_factor · k / n) + 8 sends only that many, the largest |a|.
     """
@@ -86,6 +89,11 @@ def micro_reference(
         picks = []
         for r in range(n):
             positions = owned[(t + r) % n]
+            if rule == "quota":
+                by_size = sorted(positions, key=lambda i: -abs(accumulated[r][i]))
+                quota = (t + 1) * target // n - t * target // n
+                picks.append(sorted(by_size[:quota]))
+                continue
             chosen = [i for i in positions if abs(accumulated[r][i]) >= threshold]
             if not chosen and positions:
                 chosen = [positions[t % len(positions)]]
@@ -116,6 +124,6 @@ def micro_reference(
                 "residuals": residuals,
             }
         )
-        if rule != "quantile":
+        if rule not in ("quantile", "quota"):
             threshold *= reference_factor(len(union) / target, rule)
     return steps

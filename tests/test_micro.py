@@ -27,7 +27,9 @@ def make_gradients(
     return [[rng.standard_normal(scales.size) * scales for _ in range(n)] for _ in range(steps)]
 
 
-MODES = [  # (threshold_rule, partitioning, index_message): the reference code's, and the default
+MODES = [  # (threshold_rule or "quota", partitioning, index_message): the reference's, the default
+    ("quota", "interleaved", "fixed"),
+    ("quota", "contiguous", "padded"),
     ("as_coded", "contiguous", "padded"),
     ("symmetric", "contiguous", "padded"),
     ("quantile", "interleaved", "fixed"),
@@ -59,11 +61,13 @@ def run_cases(rank: int, n: int, all_cases: list[dict]) -> list[list[dict]]:
     for index, case in enumerate(all_cases):
         params = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in case["shapes"]]
         sizes = [p.numel() for p in params]
+        quota = case["rule"] == "quota"
         reducer = GradientReducer(
             params,
             "micro",
             case["density"],
-            threshold_rule=case["rule"],
+            selection="quota" if quota else "threshold",
+            threshold_rule="quantile" if quota else case["rule"],
             partitioning=case["partitioning"],
             index_message=case["message"],
         )
@@ -93,7 +97,7 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
     for index, case in enumerate(all_cases):
         numel = sum(math.prod(s) for s in case["shapes"])
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
-        capacity_factor = 1.25 if case["message"] == "fixed" else None
+        capacity_factor = 1.25 if case["message"] == "fixed" and case["rule"] != "quota" else None
         expected = micro_reference(
             gradients, case["density"], case["rule"], case["partitioning"], capacity_factor
         )
@@ -105,7 +109,8 @@ def test_matches_brute_force_reference(n: int, tmp_path) -> None:
             for r in range(n):
                 # Every rank ends the step with bit-identical gradients and thresholds.
                 assert np.array_equal(got[r]["aggregated"], got[0]["aggregated"]), where
-                assert got[r]["stats"].threshold == want["threshold"], where
+                if case["rule"] != "quota":  # a quota's threshold is each rank's own
+                    assert got[r]["stats"].threshold == want["threshold"], where
                 assert got[r]["stats"].selected == want["selected"], where
                 np.testing.assert_allclose(
                     got[r]["aggregated"], want["aggregated"], rtol=1e-12, atol=0, err_msg=where
@@ -212,3 +217,20 @@ def test_quantile_rule_meets_the_control_targets(factor: float) -> None:
     for change in (15, 30):
         assert np.all(np.abs(ratios[change + 5 : change + 15] - 1) <= 0.10), ratios[change:]
     assert np.mean(np.abs(ratios[5:] - 1)) <= 0.02
+
+
+@pytest.mark.parametrize("scale", [1e9, 1e-12])
+def test_quota_is_exact_far_outside_the_histogram_range(scale: float) -> None:
+    """The histogram spans ±3 octaves around the last threshold; gradients 2^30 above or
+    2^-40 below it must still send exactly the q_t largest (through the edge bins' cases)."""
+    generator = torch.Generator().manual_seed(3)
+    param = torch.zeros(50_000, dtype=torch.float64, requires_grad=True)
+    reducer = GradientReducer([param], "micro", 0.002)
+    for _ in range(3):
+        param.grad = torch.randn(50_000, generator=generator, dtype=torch.float64) * scale
+        accumulated = reducer.residual + param.grad
+        stats = reducer.synchronize()
+        expected = torch.topk(accumulated.abs(), 100).indices.sort().values
+        sent = torch.nonzero(reducer.residual == 0).flatten()
+        assert stats.selected == stats.target == 100
+        assert torch.equal(sent, expected)

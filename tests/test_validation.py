@@ -34,7 +34,8 @@ def test_unknown_sparsifier_lists_the_choices() -> None:
 
 
 def test_unknown_option_names_the_accepted_ones() -> None:
-    with pytest.raises(ValueError, match=r"no option 'threshold'; it accepts: threshold_rule"):
+    expected = r"no option 'threshold'; it accepts: selection, threshold_rule"
+    with pytest.raises(ValueError, match=expected):
         GradientReducer(linear(), "micro", 0.1, threshold=0.5)
 
 
@@ -42,6 +43,22 @@ def test_unknown_threshold_rule() -> None:
     expected = r"threshold_rule must be one of quantile, symmetric, as_coded"
     with pytest.raises(ValueError, match=expected):
         GradientReducer(linear(), "micro", 0.1, threshold_rule="fast")
+
+
+def test_unknown_selection() -> None:
+    with pytest.raises(ValueError, match=r"selection must be one of quota, threshold; got 'top'"):
+        GradientReducer(linear(), "micro", 0.1, selection="top")
+
+
+def test_quota_selection_takes_no_step_rule() -> None:
+    with pytest.raises(ValueError, match=r"threshold_rule='as_coded' needs selection='threshold'"):
+        GradientReducer(linear(), "micro", 0.1, selection="quota", threshold_rule="as_coded")
+
+
+def test_a_threshold_rule_implies_threshold_selection() -> None:
+    options = GradientReducer(linear(), "micro", 0.1, threshold_rule="as_coded").sparsifier
+    assert options.options()["selection"] == "threshold"
+    assert GradientReducer(linear(), "micro", 0.1).sparsifier.options()["selection"] == "quota"
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])

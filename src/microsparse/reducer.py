@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from microsparse.comm import Communicator, all_gather_bytes, all_reduce_bytes
+from microsparse.comm.collectives import index_dtype
 from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import FlatVector, Layout
@@ -94,6 +95,7 @@ class GradientReducer:
         self._feedback = ErrorFeedback(self.layout, dtype, first.device)
         self._averaged = FlatVector(self.layout, dtype, first.device)  # reused every step
         self._written = torch.empty(0, dtype=torch.long, device=first.device)
+        self._message_buffer: torch.Tensor | None = None
         self.step = 0
         self.last_step: StepStats | None = None
         """Statistics of the most recent :meth:`synchronize`, or ``None`` before the first."""
@@ -237,22 +239,20 @@ class GradientReducer:
     ) -> _Exchanged:
         """``fixed``: one all-gather of ``capacity`` slots per rank, header included.
 
-        Positions beyond the capacity (the smallest of them) are not sent this step: they
-        stay in the residual.
+        Positions beyond the slots (the smallest of them) are not sent this step: they stay
+        in the residual.
         """
-        capacity, proposed = self.sparsifier.capacity, local.numel()
-        if proposed > capacity:
-            keep = torch.topk(accumulated.index_select(0, local).abs_(), capacity).indices
+        slots, proposed = self.sparsifier.capacity, local.numel()
+        if proposed > slots:
+            keep = torch.topk(accumulated.index_select(0, local).abs_(), slots).indices
             local = local.index_select(0, keep)
-        index_dtype = (
-            torch.int32 if self.layout.numel <= torch.iinfo(torch.int32).max else torch.long
-        )
-        message = torch.zeros(_FIXED_HEADER + capacity, dtype=index_dtype, device=local.device)
+        message = self._message(_FIXED_HEADER + slots, local.device)
         message[0] = local.numel()
         message[1] = self._feedback.nonfinite()
         message[2] = self.step
         message[3] = proposed
         message[_FIXED_HEADER : _FIXED_HEADER + local.numel()] = local
+        message[_FIXED_HEADER + local.numel() :] = 0  # what is not a position must not leak
         rows = self._comm.all_gather_rows(message)
         header = rows[:, :_FIXED_HEADER].tolist()
         self._check_header(header)
@@ -264,7 +264,15 @@ class GradientReducer:
         sent = all_gather_bytes(message.numel() * message.element_size(), self._comm.world_size)
         sent += self._average_at(accumulated, positions)
         proposals = sum(row[3] for row in header)
-        return _Exchanged(positions.numel(), local.numel(), capacity, proposals, sent)
+        return _Exchanged(positions.numel(), local.numel(), slots, proposals, sent)
+
+    def _message(self, length: int, device: torch.device) -> torch.Tensor:
+        """The first ``length`` slots of the index message buffer, allocated once at capacity."""
+        if self._message_buffer is None:
+            dtype = index_dtype(self.layout.numel)
+            capacity = _FIXED_HEADER + self.sparsifier.capacity
+            self._message_buffer = torch.empty(capacity, dtype=dtype, device=device)
+        return self._message_buffer[:length]
 
     _EXCHANGES = {
         "exclusive": _exchange_indices,

@@ -12,13 +12,16 @@ given (``--noise-ratio``) or estimated from the spread between the captured rank
 process (:class:`~microsparse.bench.virtual.VirtualCluster`), each with its own sparsifier
 bound with ``bind(layout, r, n)`` and its own residual.
 
-Per (sparsifier, n) it reports, as medians over the measured steps: build-up K/k, the
+Per (sparsifier, n) it reports, as medians over the measured steps: build-up K/k (and its
+mean), the
 compression ratio error |K/k − 1|, proposals over K (Σ k_r / K: the overlap of union
 selections; for the ``fixed`` exchange, how many proposals its capacity held back), the
 padding overhead of the index all-gather (n · m / K − 1, m the indices in each rank's
-message: max_r k_r when padded, the capacity when fixed), the bytes one worker sends (the
-reducer's collectives, priced by ``microsparse.comm``'s ring model) and their ratio to a
-dense all-reduce, and the selection time per worker (median and slowest worker).
+message: max_r k_r when padded, the capacity when fixed), the imbalance of the ranks' own
+picks (n · max_r k_r / Σ_r k_r − 1, before a fixed capacity cuts them), the bytes one worker
+sends (the reducer's collectives, priced by ``microsparse.comm``'s ring model) and their
+ratio to a dense all-reduce and to the ideal (:func:`ideal_bytes`: K int32 indices and K
+float32 values, nothing else), and the selection time per worker (median and slowest).
 
 Example:
     >>> result = run(SimulateConfig(workers=(1, 4), numel=20_000, steps=3))  # doctest: +SKIP
@@ -57,7 +60,6 @@ from microsparse.bench.workload import (
     layout_from_sizes,
     model_layout,
     synthetic_gradient,
-    variants,
 )
 from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes, broadcast_bytes
 from microsparse.layout import Layout
@@ -66,6 +68,7 @@ SMALLCNN_NUMEL = 215_370
 """Parameters of ``microsparse train``'s MNIST CNN: the default synthetic d."""
 DEFAULT_WORKERS = (1, 4, 16, 64, 256, 1024)
 DEFAULT_NOISE_RATIO = 1.0
+VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class SimulateConfig:
     numel: int = SMALLCNN_NUMEL  # synthetic d (a capture brings its own)
     noise_ratio: float | None = None  # ρ; None: estimated from the capture, else 1.0
     threshold_start: str = "settled"  # or "cold": adaptive thresholds from 1/(2·sqrt(k))
+    value_dtype: str = "float32"  # the reducer's value_dtype: "bfloat16", "float16" halve values
     only: tuple[str, ...] | None = None  # variant labels; None: every one
     seed: int = 0
 
@@ -164,10 +168,11 @@ def estimate_noise_ratio(capture: CapturedGradients, steps: int = 20) -> float:
     return statistics.median(ratios) if ratios else DEFAULT_NOISE_RATIO
 
 
-def step_bytes(record: StepRecord, world_size: int, numel: int) -> int:
+def step_bytes(record: StepRecord, world_size: int, numel: int, value_bytes: int = 4) -> int:
     """Bytes one worker sends in the reducer's collectives (``microsparse.comm``'s ring model)."""
     total = 0
-    for kind, size in costmodel.reducer_collectives(shape_of([record], numel), world_size):
+    shape = shape_of([record], numel, value_bytes)
+    for kind, size in costmodel.reducer_collectives(shape, world_size):
         size = int(size)
         if kind == "all_reduce":
             total += all_reduce_bytes(size, world_size)
@@ -178,7 +183,7 @@ def step_bytes(record: StepRecord, world_size: int, numel: int) -> int:
     return total
 
 
-def shape_of(records: list[StepRecord], numel: int) -> costmodel.StepShape:
+def shape_of(records: list[StepRecord], numel: int, value_bytes: int = 4) -> costmodel.StepShape:
     """The median message sizes of ``records`` as the cost model's :class:`StepShape`."""
     first = records[0]
     return costmodel.StepShape(
@@ -189,27 +194,48 @@ def shape_of(records: list[StepRecord], numel: int) -> costmodel.StepShape:
         statistics.median(r.agreement_bytes for r in records),
         statistics.median(r.plan_bytes for r in records),
         first.index_bytes or 4,
+        value_bytes,
     )
+
+
+def ideal_bytes(selected: int, world_size: int) -> float:
+    """What one worker sends to average ``selected`` positions with nothing wasted: their
+    int32 indices all-gathered (K/n from each rank) and their float32 values all-reduced."""
+    return (world_size - 1) / world_size * 4 * selected * 3
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def summarize(records: list[StepRecord], world_size: int, numel: int) -> dict[str, Any]:
+def summarize(
+    records: list[StepRecord], world_size: int, numel: int, value_bytes: int = 4
+) -> dict[str, Any]:
     """Medians over ``records`` of what one (sparsifier, n) selected, sent and cost."""
     dense = all_reduce_bytes(numel * 4, world_size)
-    sent = [step_bytes(r, world_size, numel) for r in records]
+    sent = [step_bytes(r, world_size, numel, value_bytes) for r in records]
     # One worker exchanges no indices at all.
     gathered = records[0].exchange in ("exclusive", "fixed", "union") and world_size > 1
-    shape = shape_of(records, numel)
+    shape = shape_of(records, numel, value_bytes)
     return {
         "build_up": statistics.median(r.selected / r.target for r in records),
+        "build_up_mean": statistics.fmean(r.selected / r.target for r in records),
         "ratio_error": statistics.median(abs(r.selected / r.target - 1) for r in records),
         "overlap": _median([r.proposed / r.selected for r in records if r.selected]),
         "padding": statistics.median(
             world_size * r.max_local_selected / r.selected - 1 if gathered and r.selected else 0.0
             for r in records
+        ),
+        "imbalance": statistics.median(
+            world_size * max(r.proposals) / r.proposed - 1 if gathered and r.proposed else 0.0
+            for r in records
+        ),
+        "wire_ratio": _median(
+            [
+                bytes_ / ideal_bytes(r.selected, world_size)
+                for r, bytes_ in zip(records, sent)
+                if world_size > 1 and r.selected
+            ]
         ),
         "bytes_per_worker": statistics.median(sent),
         "dense_bytes": dense,
@@ -249,7 +275,7 @@ def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
                 "world_size": world_size,
                 "numel": layout.numel,
                 "target": cluster.target,
-                **summarize(measured, world_size, layout.numel),
+                **summarize(measured, world_size, layout.numel, VALUE_BYTES[config.value_dtype]),
                 "per_step": [
                     {
                         "step": r.step,
@@ -313,7 +339,7 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
     """
     shapes = shapes_from(result)
     overheads, overhead_source = _overheads(config, result)
-    variants_by_label = {v.label: v for v in variants(result["config"]["density"])}
+    density = result["config"]["density"]
     rows = []
     for label in dict.fromkeys(label for label, _ in shapes):
         for world_size in config.workers:
@@ -321,10 +347,8 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
             assert simulated is not None
             shape = costmodel.scaled(simulated, config.numel)
             if shape.exchange == "fixed":  # the capacity follows k/n, not the counts
-                variant = variants_by_label[label]
-                capacity = capacity_at(
-                    variant, result["config"]["density"], config.numel, world_size
-                )
+                variant = find_variants((label,), density)[0]
+                capacity = capacity_at(variant, density, config.numel, world_size)
                 shape = dataclasses.replace(shape, max_local_selected=capacity)
             overhead = overheads(label, world_size)
             for gbit in config.rates_gbit:
@@ -414,9 +438,12 @@ def markdown(result: dict[str, Any]) -> str:
             r["sparsifier"],
             r["world_size"],
             significant(r["build_up"]),
+            significant(r["build_up_mean"]),
             significant(r["overlap"]),
             significant(r["padding"], 2) if r["world_size"] > 1 else "–",
+            significant(r["imbalance"], 2) if r["world_size"] > 1 else "–",
             significant(r["bytes_per_worker"] / 1e3),
+            significant(r["wire_ratio"], 3) if r["world_size"] > 1 else "–",
             significant(100 * r["traffic_ratio"], 2) if r["traffic_ratio"] is not None else "–",
             significant(r["select_ms"]),
             significant(r["select_ms_slowest"]),
@@ -429,9 +456,12 @@ def markdown(result: dict[str, Any]) -> str:
                 "sparsifier",
                 "n",
                 "K/k",
+                "mean K/k",
                 "Σk_r/K",
                 "padding",
+                "imbalance",
                 "kB sent/worker",
+                "wire / ideal",
                 "% of dense",
                 "select ms (median worker)",
                 "select ms (slowest)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -61,17 +62,55 @@ def variants(density: float = 0.001) -> list[Variant]:
 
 
 def find_variants(labels: tuple[str, ...] | None, density: float = 0.001) -> list[Variant]:
-    """The :func:`variants` with these labels (all if None); ValueError naming unknown ones."""
-    found = variants(density)
+    """The :func:`variants` with these labels (all if None), in that order.
+
+    A label may also give options, ``name(key=value,...)``, e.g.
+    ``micro(selection=threshold,partitioning=contiguous)``. Raises ValueError naming unknown
+    labels or bad options.
+
+    Example:
+        >>> find_variants(("topk", "micro(selection=threshold)"))[1].options
+        {'selection': 'threshold'}
+    """
+    found = {v.label: v for v in variants(density)}
     if labels is None:
-        return found
-    unknown = sorted(set(labels) - {v.label for v in found})
-    if unknown:
-        raise ValueError(
-            f"unknown sparsifier(s) {', '.join(unknown)}; choose from "
-            f"{', '.join(v.label for v in found)}"
-        )
-    return [v for v in found if v.label in labels]
+        return list(found.values())
+    chosen = []
+    for label in labels:
+        variant = found.get(label) or (parse_variant(label) if "(" in label else None)
+        if variant is None:
+            raise ValueError(
+                f"unknown sparsifier {label!r}; choose from {', '.join(found)}, or give options "
+                "as name(key=value,...)"
+            )
+        try:
+            variant.create(density)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{label}: {error}") from None
+        chosen.append(variant)
+    return chosen
+
+
+def parse_variant(label: str) -> Variant:
+    """``name(key=value,...)`` as a :class:`Variant`; values are JSON where they parse.
+
+    Example:
+        >>> parse_variant("micro(capacity_factor=1.5,partitioning=contiguous)").options
+        {'capacity_factor': 1.5, 'partitioning': 'contiguous'}
+    """
+    name, _, rest = label.partition("(")
+    if not rest.endswith(")"):
+        raise ValueError(f"{label!r}: expected name(key=value,...)")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest[:-1].split(","))):
+        key, equals, value = item.partition("=")
+        if not equals:
+            raise ValueError(f"{label!r}: option {item!r} is not key=value")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value.strip()
+    return Variant(label, name.strip(), options)
 
 
 def resnet18_sizes(classes: int = 10) -> list[tuple[str, int]]:

@@ -34,7 +34,27 @@ def listing(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 
 positive_ints = listing(arguments.positive_int)
 positive_floats = listing(arguments.positive_float)
-names = listing(str)
+
+
+def names(text: str) -> tuple[str, ...]:
+    """Comma-separated sparsifier labels; commas inside ``name(key=value,...)`` stay.
+
+    Example:
+        >>> names("topk,micro(selection=threshold,partitioning=contiguous)")
+        ('topk', 'micro(selection=threshold,partitioning=contiguous)')
+    """
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    parts = [part for part in (*parts, current.strip()) if part]
+    if not parts or depth:
+        raise argparse.ArgumentTypeError(f"expected comma-separated labels, got {text!r}")
+    return tuple(dict.fromkeys(parts))
 
 
 def add_common(parser: argparse.ArgumentParser, name: str) -> None:

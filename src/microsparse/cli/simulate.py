@@ -80,7 +80,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=full.threshold_start,
         help="settled: adaptive thresholds set to select k at step 0 (default: %(default)s)",
     )
-    add("--sparsifiers", type=bench_options.names, default=None, help="labels (default: all)")
+    add(
+        "--sparsifiers",
+        type=bench_options.names,
+        default=None,
+        help="labels, or name(key=value,...) for options, e.g. "
+        "'micro,micro(selection=threshold)' (default: all)",
+    )
+    add(
+        "--value-dtype",
+        choices=tuple(simulate.VALUE_BYTES),
+        default=full.value_dtype,
+        help="values on the wire, as GradientReducer's value_dtype (default: %(default)s)",
+    )
     add("--predict", action="store_true", help="predict step times with the alpha-beta model")
     add(
         "--rates",
@@ -157,6 +169,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         numel=args.numel,
         noise_ratio=args.noise_ratio,
         threshold_start=args.threshold_start,
+        value_dtype=args.value_dtype,
         only=args.sparsifiers,
     )
     try:

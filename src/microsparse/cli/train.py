@@ -20,6 +20,7 @@ import torch
 from microsparse.cli import arguments
 from microsparse.ddp.state import HOOK_SPARSIFIERS
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
+from microsparse.sparsifiers.micro import SELECTIONS
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
 from microsparse.training.checkpoint import read_meta
 from microsparse.training.config import (
@@ -94,9 +95,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"fraction of gradient entries sent per step, in (0, 1] (default: {DEFAULTS.density})",
     )
     add(
+        "--selection",
+        choices=SELECTIONS,
+        help="MiCRO's selection: quota (every rank sends k/n entries) or threshold (one "
+        "shared threshold) (default: quota, or threshold with --threshold-rule)",
+    )
+    add(
         "--threshold-rule",
         choices=THRESHOLD_RULES,
-        help="MiCRO's threshold correction (default: the sparsifier's own, symmetric)",
+        help="MiCRO's shared threshold: quantile, or the paper's per-step corrections "
+        "(loop default: quantile; ddp: symmetric)",
     )
     add(
         "--integration",
@@ -250,10 +258,13 @@ def _check_before_spawning(
             f"argument --sparsifier: the DDP hook supports {', '.join(HOOK_SPARSIFIERS)}, "
             f"not {config.sparsifier!r}; use --integration loop for it"
         )
+    if config.integration == "ddp" and config.selection is not None:
+        parser.error("argument --selection: the DDP hook selects by a shared threshold only")
     try:
         create_sparsifier(config.sparsifier, config.density, **config.sparsifier_options())
     except (TypeError, ValueError) as error:
-        parser.error(f"argument --threshold-rule: {error}")
+        option = "--selection" if config.selection is not None else "--threshold-rule"
+        parser.error(f"argument {option}: {error}")
     task = get_task(config.task)
     try:
         task.check_data_dir(config.data_dir)

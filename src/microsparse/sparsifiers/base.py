@@ -54,7 +54,9 @@ class Sparsifier(ABC):
     exchange: Exchange
     planned: ClassVar[bool] = False
     capacity: int = 0
-    """Per-rank slots of the index message, for the ``fixed`` exchange."""
+    """Per-rank slots of the index message, for the ``fixed`` exchange. The same at every step:
+    a rank whose step counter disagrees must still meet the others in an equal-sized
+    all-gather, so that the header can report the disagreement instead of gloo aborting."""
 
     def __init__(self, density: float) -> None:
         self.density = validate_density(density)

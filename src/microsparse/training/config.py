@@ -40,6 +40,7 @@ class TrainConfig:
     sparsifier: str = "micro"
     density: float = 0.001
     threshold_rule: str | None = None  # None: the sparsifier's own default
+    selection: str | None = None  # MiCRO's "quota" or "threshold"; None: its own default
     # The recipe (None: the task's).
     epochs: int | None = None
     batch_size: int | None = None  # per worker
@@ -68,7 +69,8 @@ class TrainConfig:
     capture_steps: int = 0  # capture steps 0 .. capture_steps - 1
 
     def sparsifier_options(self) -> dict[str, Any]:
-        return {} if self.threshold_rule is None else {"threshold_rule": self.threshold_rule}
+        given = {"threshold_rule": self.threshold_rule, "selection": self.selection}
+        return {key: value for key, value in given.items() if value is not None}
 
     @property
     def checkpointing(self) -> bool:
