@@ -199,6 +199,33 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
     assert {r["world_size"] for r in redone["prediction"]["rows"]} == {1024}
 
 
+def test_simulate_compares_options_of_one_sparsifier(tmp_path):
+    """``name(key=value,...)`` labels; quotas are balanced and at the ideal, a threshold is not."""
+    capture = tmp_path / "capture"
+    write_capture(capture, ranks=2, steps=4, sizes=(3000, 40, 960), scale=1e-3)
+    out = tmp_path / "simulate"
+    labels = "micro,micro(selection=threshold,partitioning=contiguous,index_message=padded)"
+    code = main([
+        "simulate", "--workers", "4", "--capture", str(capture), "--density", "0.05",
+        "--steps", "4", "--warmup", "1", "--sparsifiers", labels, "--value-dtype", "float32",
+        "--no-plots", "--quiet", "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    rows = {r["sparsifier"]: r for r in json.loads((out / "simulate.json").read_text())["rows"]}
+    quota = rows["micro"]
+    threshold = rows["micro(selection=threshold,partitioning=contiguous,index_message=padded)"]
+    assert threshold["options"] == {
+        "selection": "threshold", "partitioning": "contiguous", "index_message": "padded"
+    }  # fmt: skip
+    assert quota["imbalance"] == 0 and quota["padding"] == 0 and quota["build_up_mean"] == 1.0
+    # k = 200 over 4 ranks: 50 indices each plus the 4-slot header, then 200 values.
+    assert quota["wire_ratio"] == pytest.approx((3 * 54 * 4 + 2 * 3 / 4 * 200 * 4) / (9 * 200))
+    assert threshold["imbalance"] > 0.05 and threshold["wire_ratio"] > quota["wire_ratio"]
+    bad = main(["simulate", "--sparsifiers", "micro(selection=top)", "--quiet",
+                "--out", str(tmp_path / "bad")])  # fmt: skip
+    assert bad == 2
+
+
 def test_cost_model_on_a_hand_computed_example():
     network = costmodel.Network.of(gbit_per_s=8.0, latency_us=10.0)  # β = 1e9 bytes/s
     assert network.bandwidth == 1e9

@@ -102,6 +102,8 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
         (["--momentum", "1"], "--momentum"),
         (["--batch-size", "4000"], "--batch-size"),
         (["--integration", "ddp", "--sparsifier", "sage"], "--sparsifier"),
+        (["--integration", "ddp", "--selection", "quota"], "--selection"),
+        (["--selection", "quota", "--threshold-rule", "as_coded"], "--selection"),
         (["--task", "cifar10"], "--data-dir"),
         (["--data-dir", "."], "--data-dir"),
         (["--model-option", "depth=3"], "--model-option"),

@@ -62,7 +62,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         default=None,
         help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)",
     )
-    add("--sparsifiers", type=bench_options.names, default=None, help="labels (default: all)")
+    add(
+        "--sparsifiers",
+        type=bench_options.names,
+        default=None,
+        help="labels, or name(key=value,...) for options (default: all)",
+    )
     add(
         "--from",
         dest="from_file",
