@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench balance clean
 
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,8 @@ test: $(READY)
 BENCH ?= runs/bench
 BENCH_FLAGS ?= --threads 1
 MICROSPARSE := $(VENV)/bin/microsparse
+BALANCE_VARIANTS := micro,micro(selection=threshold),micro(partitioning=contiguous),micro(selection=threshold,partitioning=contiguous),micro-reference
+BALANCE_FLAGS = --workers 4,16,64 --steps 40 --warmup 5 $(BENCH_FLAGS)
 
 bench: $(READY)
 	$(MICROSPARSE) bench select $(BENCH_FLAGS) --out $(BENCH)/select
@@ -42,6 +44,7 @@ bench: $(READY)
 		--cluster-results $(BENCH)/cluster/results.json $(BENCH_FLAGS) --out $(BENCH)/simulate
 	$(MICROSPARSE) simulate --from $(BENCH)/simulate/simulate.json --predict --algorithms best \
 		--select-results $(BENCH)/select/select.json --out $(BENCH)/simulate-best
+	$(MAKE) balance
 	mkdir -p docs/img
 	cp $(BENCH)/select/*.png $(BENCH)/controller/*.png $(BENCH)/simulate/*.png docs/img/
 	cp $(BENCH)/simulate-best/predict.png docs/img/predict-best.png
@@ -51,3 +54,18 @@ lint: $(READY)
 
 clean:
 	rm -rf $(VENV) runs
+
+# MiCRO's per-rank balance, wire bytes and per-step passes: docs/BENCHMARKS.md, "Balanced exchange".
+balance: $(READY)
+	test -d $(BENCH)/capture || $(MICROSPARSE) train --workers 4 --max-steps 150 \
+		--capture-gradients $(BENCH)/capture --capture-steps 150 --no-progress --out $(BENCH)/capture-train
+	test -d $(BENCH)/capture-lm || $(MICROSPARSE) train --task lm --workers 4 --max-steps 80 \
+		--capture-gradients $(BENCH)/capture-lm --capture-steps 80 --no-progress \
+		--out $(BENCH)/capture-lm-train
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture --density 0.001 --sparsifiers '$(BALANCE_VARIANTS)' $(BALANCE_FLAGS) --out $(BENCH)/balance/cnn
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture-lm --density 0.001 --sparsifiers '$(BALANCE_VARIANTS)' $(BALANCE_FLAGS) --out $(BENCH)/balance/lstm
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture --density 0.05 --sparsifiers '$(BALANCE_VARIANTS)' $(BALANCE_FLAGS) --out $(BENCH)/balance/cnn-paper-k
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture-lm --density 0.015 --sparsifiers '$(BALANCE_VARIANTS)' $(BALANCE_FLAGS) --out $(BENCH)/balance/lstm-paper-k
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture --density 0.05 --sparsifiers 'micro,micro(selection=threshold)' --value-dtype bfloat16 $(BALANCE_FLAGS) --out $(BENCH)/balance/cnn-paper-k-bf16
+	$(MICROSPARSE) bench select --sizes 11173962 --partitions 1,4,16,64,256 \
+		--sparsifiers 'micro,micro(selection=threshold),micro-reference' $(BENCH_FLAGS) --out $(BENCH)/balance/select
