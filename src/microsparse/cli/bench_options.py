@@ -57,6 +57,17 @@ def names(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(parts))
 
 
+def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
+    """``--sparsifiers``: the variants to run, each a label or ``name(key=value,...)``."""
+    parser.add_argument(
+        "--sparsifiers",
+        type=names,
+        default=None,
+        help="labels, or name(key=value,...) for options, e.g. "
+        "'micro,micro(selection=threshold)' (default: all)",
+    )
+
+
 def add_common(parser: argparse.ArgumentParser, name: str) -> None:
     """``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
     add = parser.add_argument

@@ -62,12 +62,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         default=None,
         help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)",
     )
-    add(
-        "--sparsifiers",
-        type=bench_options.names,
-        default=None,
-        help="labels, or name(key=value,...) for options (default: all)",
-    )
+    bench_options.add_sparsifiers(parser)
     add(
         "--from",
         dest="from_file",

@@ -80,13 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=full.threshold_start,
         help="settled: adaptive thresholds set to select k at step 0 (default: %(default)s)",
     )
-    add(
-        "--sparsifiers",
-        type=bench_options.names,
-        default=None,
-        help="labels, or name(key=value,...) for options, e.g. "
-        "'micro,micro(selection=threshold)' (default: all)",
-    )
+    bench_options.add_sparsifiers(parser)
     add(
         "--value-dtype",
         choices=tuple(simulate.VALUE_BYTES),
