@@ -68,8 +68,9 @@ def micro_reference(
 ) -> list[dict]:
     """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step.
 
-    ``rule="quota"``: at step t every rank sends the q_t largest |a| of its partition (all of
-    it if smaller), q_t = floor((t+1)·k/n) − floor(t·k/n); no threshold, no fallback.
+    ``rule="quota"``: at step t the owner of partition p sends its share of the largest |a|
+    there (all of it if smaller): share j = (p + t) mod n gets floor((j+1)·k/n) − floor(j·k/n),
+    so the shares of one step sum to k; no threshold, no fallback.
 
     With ``capacity_factor`` (the fixed index message), a rank whose picks exceed
     ceil(capacity_factor · k / n) + 8 sends only that many, the largest |a|.
@@ -91,7 +92,8 @@ def micro_reference(
             positions = owned[(t + r) % n]
             if rule == "quota":
                 by_size = sorted(positions, key=lambda i: -abs(accumulated[r][i]))
-                quota = (t + 1) * target // n - t * target // n
+                share = ((t + r) % n + t) % n
+                quota = (share + 1) * target // n - share * target // n
                 picks.append(sorted(by_size[:quota]))
                 continue
             chosen = [i for i in positions if abs(accumulated[r][i]) >= threshold]

@@ -14,9 +14,10 @@ import torch
 
 from microsparse.bench import costmodel
 from microsparse.bench.capture import CaptureError, load_capture
-from microsparse.bench.peers import reducer_with_peers
 from microsparse.bench.workload import model_layout, variants
 from microsparse.cli import bench, main
+from microsparse.comm.local import SymmetricPeers
+from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
 
 pytest.importorskip("matplotlib")
@@ -218,8 +219,8 @@ def test_simulate_compares_options_of_one_sparsifier(tmp_path):
         "selection": "threshold", "partitioning": "contiguous", "index_message": "padded"
     }  # fmt: skip
     assert quota["imbalance"] == 0 and quota["padding"] == 0 and quota["build_up_mean"] == 1.0
-    # k = 200 over 4 ranks: 50 indices each plus the 4-slot header, then 200 values.
-    assert quota["wire_ratio"] == pytest.approx((3 * 54 * 4 + 2 * 3 / 4 * 200 * 4) / (9 * 200))
+    # k = 200 over 4 ranks: 50 indices each plus the 3-slot header, then 200 values.
+    assert quota["wire_ratio"] == pytest.approx((3 * 53 * 4 + 2 * 3 / 4 * 200 * 4) / (9 * 200))
     assert threshold["imbalance"] > 0.05 and threshold["wire_ratio"] > quota["wire_ratio"]
     bad = main(["simulate", "--sparsifiers", "micro(selection=top)", "--quiet",
                 "--out", str(tmp_path / "bad")])  # fmt: skip
@@ -236,9 +237,10 @@ def test_cost_model_on_a_hand_computed_example():
     # Broadcast of 1 MB to 8: tree 3·(10 µs + 1 ms) = 3.03 ms; chain 7·10 µs + 1 ms = 1.07 ms.
     assert costmodel.broadcast_seconds(1e6, 8, network) == pytest.approx(1.07e-3)
     assert costmodel.all_reduce_seconds(1e6, 1, network) == 0.0
-    # One MiCRO step: header (24 B), padded indices (300 × 4 B), values (1000 × 4 B), n = 4.
-    shape = costmodel.StepShape("exclusive", numel=10**6, selected=1000, max_local_selected=300)
-    expected = 3 * (10e-6 + 24e-9) + 3 * (10e-6 + 1.2e-6) + 6 * (10e-6 + 1e-6)
+    # The reference MiCRO step: header (16 B), padded indices (300 × 4 B), values (1000 × 4 B),
+    # n = 4.
+    shape = costmodel.StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
+    expected = 3 * (10e-6 + 16e-9) + 3 * (10e-6 + 1.2e-6) + 6 * (10e-6 + 1e-6)
     assert costmodel.step_seconds(shape, 4, network, compute=0.02, overhead=0.001) == (
         pytest.approx(0.021 + expected)
     )
@@ -285,7 +287,7 @@ def test_reducer_over_symmetric_peers_sends_as_rank_0_of_n():
                   for name, shape in zip(layout.names, layout.shapes)]  # fmt: skip
     for _, p in parameters:
         p.grad = torch.randn(p.shape)
-    reducer = reducer_with_peers(parameters, "topk", 0.01, rank=0, world_size=8)
+    reducer = GradientReducer(parameters, "topk", 0.01, collectives=SymmetricPeers(0, 8))
     stats = reducer.synchronize()
     assert stats.world_size == 8 and stats.local_selected == 100
     assert stats.selected == 100 and stats.proposed == 800  # identical peers: full overlap

@@ -5,23 +5,25 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from microsparse.comm import Communicator, all_gather_bytes, all_reduce_bytes
-from microsparse.comm.collectives import index_dtype
-from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
+from microsparse.comm.collectives import (
+    Collectives,
+    ProcessGroupCollectives,
+    all_reduce_bytes,
+    check_agreement,
+)
+from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
 from microsparse.feedback import ErrorFeedback
-from microsparse.layout import FlatVector, Layout
+from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
 from microsparse.stats import StepStats
 
 ParameterSource = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
-_HEADER = ("selected", "nonfinite", "step")  # the fixed-size message every rank sends first
 
 
 class GradientReducer:
@@ -34,6 +36,10 @@ class GradientReducer:
     average into ``p.grad`` (identical on all ranks), and keeps what was not sent as the new
     residual. Momentum and weight decay stay with your optimiser and act on the average.
 
+    After the first call every ``p.grad`` is a view of one flat buffer that the reducer
+    rewrites in O(K) per step; ``optimizer.zero_grad()`` (which sets them to ``None``) and
+    anything that changes them in place (clipping, AMP unscaling) are fine.
+
     Args:
         params: a module, ``module.parameters()`` or ``module.named_parameters()``; the flat
             gradient vector follows this order. Parameters that do not require grad are skipped.
@@ -45,12 +51,16 @@ class GradientReducer:
             (half the value bytes); each rank's rounding error stays in its residual, so only
             the rounding of the sum itself is lost. float16 overflows above 65504: prefer
             bfloat16 unless gradients are known to be small.
+        collectives: run the step's collectives on this object instead of a process group
+            (anything with ``rank``, ``world_size`` and ``run(request)``, see
+            :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.
         **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
 
-    Non-finite gradients: if any rank's accumulated gradient holds NaN or Inf, every rank
-    raises :class:`microsparse.NonFiniteGradientError` in the same step, naming the step, the
-    ranks and (on those ranks) the parameters. Nothing is averaged; the residual is not
-    usable afterwards (restore a checkpoint).
+    Non-finite gradients: if any rank sends a NaN or Inf, every rank raises
+    :class:`microsparse.NonFiniteGradientError` in the same step, naming the step and (on the
+    ranks that sent it) the parameters. Selection counts a NaN as larger than anything, so it
+    is sent, and seen, within n steps of reaching a residual. Nothing is written into
+    ``p.grad``; the residual is not usable afterwards (restore a checkpoint).
 
     Construction is collective: every rank must build its reducer with the same parameter
     shapes, sparsifier and options, or all ranks raise :class:`microsparse.ConfigMismatchError`.
@@ -73,33 +83,33 @@ class GradientReducer:
         *,
         process_group: dist.ProcessGroup | None = None,
         value_dtype: torch.dtype | None = None,
+        collectives: Collectives | None = None,
         **options: Any,
     ) -> None:
         if value_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
             )
+        if collectives is not None and process_group is not None:
+            raise ValueError("pass process_group or collectives, not both")
         self.value_dtype = value_dtype
         self._names, self._params = _trainable_parameters(params)
         first = self._params[0]
         self.layout = Layout.of(list(zip(self._names, self._params)))
-        self._comm = Communicator(process_group)
+        self._comm = collectives if collectives is not None else ProcessGroupCollectives(
+            process_group
+        )
         self.sparsifier = create_sparsifier(sparsifier, density, **options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
-        if self.sparsifier.exchange not in self._EXCHANGES:
-            raise ValueError(
-                f"sparsifier {sparsifier!r} declares exchange {self.sparsifier.exchange!r}; "
-                f"the reducer knows {', '.join(sorted(self._EXCHANGES))}"
-            )
-        dtype = _accumulator_dtype(self._params)
+        dtype = accumulator_dtype(p.dtype for p in self._params)
         self._feedback = ErrorFeedback(self.layout, dtype, first.device)
-        self._averaged = FlatVector(self.layout, dtype, first.device)  # reused every step
-        self._written = torch.empty(0, dtype=torch.long, device=first.device)
-        self._message_buffer: torch.Tensor | None = None
+        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype)
+        self._output = GradientOutput(self._params, self.layout)
         self.step = 0
         self.last_step: StepStats | None = None
         """Statistics of the most recent :meth:`synchronize`, or ``None`` before the first."""
-        self._comm.check_agreement(
+        check_agreement(
+            self._comm,
             "the reducer configuration (parameter count, layout, sparsifier, density, options)",
             [self.layout.numel, zlib.crc32(self._fingerprint().encode())],
             first.device,
@@ -120,220 +130,13 @@ class GradientReducer:
 
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
-        step, n, numel = self.step, self._comm.world_size, self.layout.numel
-        began = started = time.perf_counter()
-        self._feedback.compensate([p.grad for p in self._params])
-        accumulated = self._feedback.accumulated
-        if self.sparsifier.planned:  # waiting for the leader's plan is part of selection
-            local, counts, agreed_bytes = self._select_planned(accumulated, step)
-            selected_at = time.perf_counter()
-        else:
-            proposal = self.sparsifier.agreement(accumulated, step)
-            proposal_bytes = 0
-            if proposal is not None:  # e.g. MiCRO's threshold histogram, summed over ranks
-                # Waiting for the other ranks is exchange time, not selection cost.
-                waiting = time.perf_counter()
-                proposal_bytes = self._comm.sum_(proposal)
-                started += time.perf_counter() - waiting
-                self.sparsifier.adopt_agreement(proposal)
-            local = self.sparsifier.select(accumulated, step)
-            selected_at = time.perf_counter()
-            counts, agreed_bytes = [], proposal_bytes
-            if self.sparsifier.exchange != "fixed":  # "fixed" carries the header itself
-                counts, header_bytes = self._agree(local.numel(), step, accumulated)
-                agreed_bytes += header_bytes
-        threshold, extra = self.sparsifier.threshold, self.sparsifier.report()
-
-        exchange = self._EXCHANGES[self.sparsifier.exchange]
-        result = exchange(self, accumulated, local, counts)
-        self.sparsifier.update(result.selected)
-        finished = time.perf_counter()
-
+        began = time.perf_counter()
+        fresh = [p.grad for p in self._params]
+        report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
+        wall = time.perf_counter() - began
+        self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, wall)
         self.step += 1
-        self.last_step = StepStats(
-            step=step,
-            numel=numel,
-            world_size=n,
-            selected=result.selected,
-            target=self.sparsifier.target,
-            threshold=threshold,
-            local_selected=result.local_selected,
-            max_local_selected=result.max_local_selected,
-            partition=self.sparsifier.partition(step),
-            bytes_sent=agreed_bytes + result.bytes_sent,
-            dense_bytes=all_reduce_bytes(numel * accumulated.element_size(), n),
-            select_seconds=selected_at - started,
-            exchange_seconds=finished - selected_at + (started - began),
-            extra=extra,
-            proposed=result.proposed,
-            exchange=self.sparsifier.exchange,
-        )
         return self.last_step
-
-    def _select_planned(
-        self, accumulated: torch.Tensor, step: int
-    ) -> tuple[torch.Tensor, list[int], int]:
-        """Check the header first (a leader must not plan on NaN or at another step), then
-        broadcast the leader's plan, which fixes every rank's count, and select by it."""
-        _, sent = self._agree(0, step, accumulated)
-        leader = self.sparsifier.leader(step)
-        if self._comm.rank == leader:
-            plan = self.sparsifier.make_plan(accumulated, step)
-        else:
-            plan = self.sparsifier.empty_plan(accumulated.device)
-        sent += self._comm.broadcast_(plan, leader)
-        counts = self.sparsifier.adopt_plan(plan, step)
-        local = self.sparsifier.select(accumulated, step)
-        if local.numel() != counts[self._comm.rank]:
-            raise RuntimeError(
-                f"{self.sparsifier.name}: rank {self._comm.rank} selected {local.numel()} "
-                f"positions but its plan says {counts[self._comm.rank]} (a sparsifier bug)"
-            )
-        return local, counts, sent
-
-    def _agree(self, count: int, step: int, accumulated: torch.Tensor) -> tuple[list[int], int]:
-        """All-gather the fixed-size header; raise on every rank if any rank is unusable."""
-        header = torch.tensor([count, 0, step], dtype=torch.long, device=accumulated.device)
-        header[1] = self._feedback.nonfinite()
-        rows = self._comm.all_gather_rows(header).tolist()
-        self._check_header(rows)
-        sent = all_gather_bytes(header.numel() * header.element_size(), self._comm.world_size)
-        return [row[0] for row in rows], sent
-
-    def _exchange_indices(
-        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
-    ) -> _Exchanged:
-        """``exclusive`` and ``union``: all-gather the padded index lists, average there."""
-        positions, sent = self._comm.gather_indices(
-            local, counts, self.layout.numel, unique=self.sparsifier.exchange == "union"
-        )
-        sent += self._average_at(accumulated, positions)
-        return _Exchanged(positions.numel(), local.numel(), max(counts), sum(counts), sent)
-
-    def _exchange_shared(
-        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
-    ) -> _Exchanged:
-        """``shared``: every rank already holds the same positions; only values travel."""
-        if len(set(counts)) > 1:
-            raise ConfigMismatchError(
-                f"{self.sparsifier.name} must select the same positions on every rank, but the "
-                f"counts per rank are {counts}"
-            )
-        sent = self._average_at(accumulated, local)
-        selected = local.numel()
-        return _Exchanged(selected, selected, selected, selected, sent)
-
-    def _exchange_dense(
-        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
-    ) -> _Exchanged:
-        """``dense``: all-reduce the whole vector in place; nothing is left behind."""
-        sent = self._comm.sum_(accumulated)
-        accumulated.div_(self._comm.world_size)
-        self._copy_to_grads(self._feedback.views)
-        accumulated.zero_()
-        numel = self.layout.numel
-        return _Exchanged(numel, numel, numel, numel, sent)
-
-    def _exchange_fixed(
-        self, accumulated: torch.Tensor, local: torch.Tensor, counts: list[int]
-    ) -> _Exchanged:
-        """``fixed``: one all-gather of ``capacity`` slots per rank, header included.
-
-        Positions beyond the slots (the smallest of them) are not sent this step: they stay
-        in the residual.
-        """
-        slots, proposed = self.sparsifier.capacity, local.numel()
-        if proposed > slots:
-            keep = torch.topk(accumulated.index_select(0, local).abs_(), slots).indices
-            local = local.index_select(0, keep)
-        message = self._message(_FIXED_HEADER + slots, local.device)
-        message[0] = local.numel()
-        message[1] = self._feedback.nonfinite()
-        message[2] = self.step
-        message[3] = proposed
-        message[_FIXED_HEADER : _FIXED_HEADER + local.numel()] = local
-        message[_FIXED_HEADER + local.numel() :] = 0  # what is not a position must not leak
-        rows = self._comm.all_gather_rows(message)
-        header = rows[:, :_FIXED_HEADER].tolist()
-        self._check_header(header)
-        counts = [row[0] for row in header]
-        pieces = [
-            rows[rank, _FIXED_HEADER : _FIXED_HEADER + count] for rank, count in enumerate(counts)
-        ]
-        positions = torch.cat(pieces).long()
-        sent = all_gather_bytes(message.numel() * message.element_size(), self._comm.world_size)
-        sent += self._average_at(accumulated, positions)
-        proposals = sum(row[3] for row in header)
-        return _Exchanged(positions.numel(), local.numel(), slots, proposals, sent)
-
-    def _message(self, length: int, device: torch.device) -> torch.Tensor:
-        """The first ``length`` slots of the index message buffer, allocated once at capacity."""
-        if self._message_buffer is None:
-            dtype = index_dtype(self.layout.numel)
-            capacity = _FIXED_HEADER + self.sparsifier.capacity
-            self._message_buffer = torch.empty(capacity, dtype=dtype, device=device)
-        return self._message_buffer[:length]
-
-    _EXCHANGES = {
-        "exclusive": _exchange_indices,
-        "fixed": _exchange_fixed,
-        "union": _exchange_indices,
-        "shared": _exchange_shared,
-        "dense": _exchange_dense,
-    }
-
-    def _average_at(self, accumulated: torch.Tensor, positions: torch.Tensor) -> int:
-        """Average every rank's values at ``positions``, write them, forget them locally."""
-        values = accumulated.index_select(0, positions)
-        if self.value_dtype is None:
-            sent = self._comm.sum_(values)
-            self._feedback.forget(positions)
-        else:
-            wire = values.to(self.value_dtype)
-            # What rounding took from this rank's values stays behind in its residual.
-            accumulated.index_copy_(0, positions, values.sub_(wire))
-            sent = self._comm.sum_(wire)
-            values = wire.to(accumulated.dtype)
-        values.div_(self._comm.world_size)
-        self._write_gradients(positions, values)
-        return sent
-
-    def _check_header(self, rows: list[list[int]]) -> None:
-        steps = [row[2] for row in rows]
-        if len(set(steps)) > 1:
-            raise ConfigMismatchError(
-                f"ranks called synchronize() a different number of times (steps per rank: "
-                f"{steps}); every rank must call it exactly once per training step"
-            )
-        bad_ranks = [rank for rank, row in enumerate(rows) if row[1]]
-        if bad_ranks:
-            where = ""
-            if self._comm.rank in bad_ranks:
-                names = [
-                    name
-                    for name, p in zip(self._names, self._params)
-                    if p.grad is not None and not torch.isfinite(p.grad).all()
-                ] or ["(the residual carried from an earlier step)"]
-                where = f"; on rank {self._comm.rank} in parameter(s) {', '.join(names)}"
-            raise NonFiniteGradientError(
-                f"step {steps[0]}: NaN or Inf gradient on rank(s) {bad_ranks}{where}. Lower the "
-                "learning rate, clip gradients, or unscale AMP gradients before synchronize()"
-            )
-
-    def _write_gradients(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        averaged = self._averaged.data
-        # Only last step's positions are nonzero: clearing them is O(K), not a pass over d.
-        averaged.index_fill_(0, self._written, 0)
-        averaged.index_copy_(0, positions, values)
-        self._written = positions
-        self._copy_to_grads(self._averaged.views)
-
-    def _copy_to_grads(self, views: list[torch.Tensor]) -> None:
-        for p, view in zip(self._params, views):
-            if p.grad is None:
-                p.grad = view.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(view)
 
     def _fingerprint(self) -> str:
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
@@ -368,17 +171,30 @@ class GradientReducer:
         self.step = int(state["step"])
 
 
-_FIXED_HEADER = 4  # count, non-finite flag, step, proposals: the header of a "fixed" message
-
-
-class _Exchanged(NamedTuple):
-    """What one exchange kind reports back to :meth:`GradientReducer.synchronize`."""
-
-    selected: int
-    local_selected: int
-    max_local_selected: int
-    proposed: int
-    bytes_sent: int
+def step_stats(
+    step: int, sparsifier: Any, report: StepReport, engine: SparseStep, wall: float
+) -> StepStats:
+    """The public :class:`StepStats` of one blocking step (its waiting is exchange time)."""
+    numel, n = sparsifier.layout.numel, sparsifier.world_size
+    element = engine.feedback.accumulated.element_size()
+    return StepStats(
+        step=step,
+        numel=numel,
+        world_size=n,
+        selected=report.selected,
+        target=sparsifier.target,
+        threshold=report.threshold,
+        local_selected=report.local_selected,
+        max_local_selected=report.message_slots,
+        partition=report.partition,
+        bytes_sent=report.bytes_sent,
+        dense_bytes=all_reduce_bytes(numel * element, n),
+        select_seconds=report.select_seconds,
+        exchange_seconds=max(0.0, wall - report.select_seconds),
+        extra=report.extra,
+        proposed=report.proposed,
+        exchange=engine.framing.label,
+    )
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:
@@ -416,10 +232,10 @@ def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torc
     return names, tensors
 
 
-def _accumulator_dtype(params: list[torch.Tensor]) -> torch.dtype:
-    # Residuals of half-precision parameters are kept in float32: tiny unsent values would
-    # otherwise round away, which is exactly what error feedback must not lose.
+def accumulator_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """float32 or wider: residuals of half-precision parameters are kept in float32, because
+    tiny unsent values would otherwise round away, which is what error feedback must not lose."""
     dtype = torch.float32
-    for p in params:
-        dtype = torch.promote_types(dtype, p.dtype)
+    for each in dtypes:
+        dtype = torch.promote_types(dtype, each)
     return dtype

@@ -146,16 +146,14 @@ def settle_threshold(reducer: GradientReducer, params: list[torch.Tensor]) -> No
     sparsifier = reducer.sparsifier
     grads = torch.cat([p.grad.reshape(-1) for p in params]).to(reducer.residual.dtype)
     accumulated = reducer.residual + grads
-    k, state = sparsifier.target, sparsifier.state_dict()
-    if sparsifier.exchange == "union":
+    k = sparsifier.target
+    if sparsifier.framing().label == "union":  # every rank selects over the whole vector
         magnitude = accumulated.abs_()
-        state["threshold"] = magnitude.topk(min(k, magnitude.numel())).values[-1].item()
-        sparsifier.load_state_dict(state)
+        sparsifier.settle(magnitude.topk(min(k, magnitude.numel())).values[-1].item())
         return
 
     def global_count(threshold: float) -> int:
-        state["threshold"] = threshold
-        sparsifier.load_state_dict(state)
+        sparsifier.settle(threshold)
         count = torch.tensor([sparsifier.select(accumulated, reducer.step).numel()])
         dist.all_reduce(count)
         return int(count.item())
@@ -170,8 +168,7 @@ def settle_threshold(reducer: GradientReducer, params: list[torch.Tensor]) -> No
             low = middle
             break
         low, high = (middle, high) if count >= k else (low, middle)
-    state["threshold"] = math.exp(low)
-    sparsifier.load_state_dict(state)
+    sparsifier.settle(math.exp(low))
 
 
 def measure_in_rounds(args: argparse.Namespace, link: LinkCounter) -> list[dict[str, Any]]:

@@ -29,12 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from microsparse.reducer import _FIXED_HEADER
+from microsparse.comm.framing import FRAMINGS, Fixed
 
-HEADER_BYTES = 3 * 8
-"""The reducer's per-step header: three int64 (count, non-finite flag, step) per rank."""
-FIXED_HEADER_SLOTS = _FIXED_HEADER
-"""Index slots of a ``fixed`` exchange's message that carry its header instead."""
+HEADER_BYTES = 8
+"""The int64 ``[step]`` header before a dense average or a leader's plan."""
+FIXED_HEADER_SLOTS = Fixed.header_slots
+"""Index slots of a ``fixed`` message that carry its header instead."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def collective_seconds(
 class StepShape:
     """The message sizes of one step of one sparsifier (what the simulator measures)."""
 
-    exchange: str  # "exclusive", "union", "shared" or "dense"
+    exchange: str  # the framing's label: "fixed", "padded", "union", "shared" or "dense"
     numel: int  # d
     selected: float  # K, distinct positions averaged
     max_local_selected: float  # indices per rank's index message: max_r k_r, or the capacity
@@ -125,32 +125,26 @@ class StepShape:
 
 
 def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, float]]:
-    """(kind, bytes) of every collective one ``synchronize()`` issues, in order.
+    """(kind, bytes) of every collective one step issues, in order: the engine's protocol
+    (``microsparse.engine``), with the index exchange as its framing lists it.
 
     Example:
-        >>> shape = StepShape("exclusive", numel=10**6, selected=1000, max_local_selected=300)
+        >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
         >>> reducer_collectives(shape, 4)
-        [('all_gather', 24), ('all_gather', 1200), ('all_reduce', 4000)]
+        [('all_gather', 16), ('all_gather', 1200), ('all_reduce', 4000)]
     """
     if world_size == 1:
         return []
     steps: list[tuple[str, float]] = []
     if shape.agreement_bytes:
         steps.append(("all_reduce", shape.agreement_bytes))
-    if shape.exchange == "fixed":  # one message: header, then capacity index slots
-        slots = FIXED_HEADER_SLOTS + shape.max_local_selected
-        steps.append(("all_gather", slots * shape.index_bytes))
-        steps.append(("all_reduce", shape.selected * shape.value_bytes))
-        return steps
-    steps.append(("all_gather", HEADER_BYTES))
-    if shape.plan_bytes:
-        steps.append(("broadcast", shape.plan_bytes))
-    if shape.exchange == "dense":
-        steps.append(("all_reduce", shape.numel * shape.value_bytes))
-        return steps
-    if shape.exchange in ("exclusive", "union") and shape.max_local_selected:
-        steps.append(("all_gather", shape.max_local_selected * shape.index_bytes))
-    steps.append(("all_reduce", shape.selected * shape.value_bytes))
+    planned = bool(shape.plan_bytes)
+    if planned:  # the step is checked before the leader plans
+        steps += [("all_gather", HEADER_BYTES), ("broadcast", shape.plan_bytes)]
+    framing = FRAMINGS[shape.exchange]
+    steps += framing.collectives(shape.max_local_selected, shape.index_bytes, planned)
+    values = shape.numel if shape.exchange == "dense" else shape.selected
+    steps.append(("all_reduce", values * shape.value_bytes))
     return steps
 
 
@@ -260,9 +254,10 @@ def validate_against_cluster(
             numel = row["parameters"]
             sparsifier.bind(Layout(("flat",), (Size([numel]),), (0,), numel), 0, n)
             selected = row["density"] * numel
-            shape = _measured_shape(name, sparsifier.exchange, numel, selected, n, shapes)
-            if shape.exchange == "fixed":
-                shape = replace(shape, max_local_selected=sparsifier.capacity)
+            framing = sparsifier.framing()
+            shape = _measured_shape(name, framing.label, numel, selected, n, shapes)
+            if isinstance(framing, Fixed):
+                shape = replace(shape, max_local_selected=framing.capacity)
             record = {
                 "hosts": n,
                 "rate": configuration["rate"],

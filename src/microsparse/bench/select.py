@@ -8,11 +8,11 @@ step 0 (the step rank 0 leads, so planned sparsifiers include the leader's plan)
   (the other ranks' contributions taken equal to this rank's) → ``select``; for planned
   sparsifiers ``make_plan`` → ``adopt_plan`` → ``select``;
 - **overhead**: one ``GradientReducer.synchronize()``, everything it does on the rank except
-  waiting on the network: the error-feedback add, the non-finite check, selection, the header,
-  packing the padded index message, unpacking it (and the union), gathering the values,
-  writing the average back into every ``p.grad``, and forgetting the sent positions. For n = 1
-  the reducer has no process group; for n > 1 it runs over
-  :class:`~microsparse.bench.peers.SymmetricPeers` (the other ranks send what rank 0 sends).
+  waiting on the network: the error-feedback add, selection, packing the index message,
+  unpacking it (and the union), gathering the values, the finiteness check of their sum,
+  writing the average into every ``p.grad`` and forgetting the sent positions. For n = 1 the
+  reducer has no process group; for n > 1 it runs over
+  :class:`~microsparse.comm.local.SymmetricPeers` (the other ranks send what rank 0 sends).
 
 Both are compared with ``torch.topk(|a|, k)`` over the whole vector and with one memory pass
 over d floats (``a.sum()``, the physical floor of anything that reads the whole gradient).
@@ -42,7 +42,6 @@ from microsparse.bench.output import (
     significant,
     write_results,
 )
-from microsparse.bench.peers import reducer_with_peers
 from microsparse.bench.timing import Timing, choose_clock, median_time
 from microsparse.bench.workload import (
     PARTITIONED,
@@ -53,8 +52,10 @@ from microsparse.bench.workload import (
     model_layout,
     synthetic_gradient,
 )
+from microsparse.comm.local import SymmetricPeers
 from microsparse.feedback import ErrorFeedback
-from microsparse.layout import Layout
+from microsparse.layout import FlatVector, Layout
+from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers import Sparsifier
 from microsparse.sparsifiers.threshold import initial_threshold
 
@@ -89,10 +90,9 @@ def select_once(sparsifier: Sparsifier, accumulated: torch.Tensor, step: int) ->
     """
     if sparsifier.planned:
         sparsifier.adopt_plan(sparsifier.make_plan(accumulated, step), step)
-    else:
+    elif sparsifier.agrees:
         proposal = sparsifier.agreement(accumulated, step)
-        if proposal is not None:
-            sparsifier.adopt_agreement(proposal.mul_(sparsifier.world_size))
+        sparsifier.adopt_agreement(proposal.mul_(sparsifier.world_size))
     return sparsifier.select(accumulated, step)
 
 
@@ -135,17 +135,23 @@ def time_overhead(
     """Median time of one ``synchronize()`` on rank 0 of ``world_size`` (network excluded).
 
     Before every call (untimed) the reducer's state is restored (step 0, zero residual, the
-    sparsifier's state after its first step) and every ``p.grad`` is set to ``gradient``.
+    sparsifier's state after its first step) and every ``p.grad`` is set to a tensor holding
+    ``gradient``, as autograd leaves them after ``zero_grad()`` and backward.
     """
-    reducer = reducer_with_peers(
-        parameters, variant.name, density, rank=0, world_size=world_size, **variant.options
-    )
-    grads = [p.grad for _, p in parameters]
-    views = gradient.split([g.numel() for g in grads])
+    reducer = GradientReducer(
+        parameters, variant.name, density, collectives=SymmetricPeers(0, world_size),
+        **variant.options,
+    )  # fmt: skip
+    # Autograd's fresh gradients, as after ``optimizer.zero_grad()`` (set to None) and
+    # backward: separate tensors that synchronize() reads and then replaces by its views.
+    fresh = [
+        view.view_as(p).clone() for (_, p), view in zip(parameters, gradient.split(
+            [p.numel() for _, p in parameters]))
+    ]  # fmt: skip
 
     def restore_gradients() -> None:
-        for grad, view in zip(grads, views):
-            grad.copy_(view.view_as(grad))
+        for (_, p), g in zip(parameters, fresh):
+            p.grad = g
 
     restore_gradients()
     reducer.synchronize()  # first step: buffers and the sparsifier's first-step state
@@ -202,7 +208,9 @@ def run(config: SelectConfig, progress: bool = True) -> dict[str, Any]:
                 whole_vector: tuple[Timing, int] | None = None
                 for world_size in config.partitions:
                     probe = variant.create(config.density)
-                    if probe.exchange not in PARTITIONED and whole_vector is not None:
+                    probe.bind(layout, 0, world_size)
+                    exchange = probe.framing().label
+                    if exchange not in PARTITIONED and whole_vector is not None:
                         selection, count = whole_vector
                     else:
                         selection, count = time_selection(
@@ -219,7 +227,7 @@ def run(config: SelectConfig, progress: bool = True) -> dict[str, Any]:
                         "sparsifier": variant.label,
                         "name": variant.name,
                         "options": variant.options,
-                        "exchange": probe.exchange,
+                        "exchange": exchange,
                         "numel": numel,
                         "target": target,
                         "world_size": world_size,
@@ -282,13 +290,11 @@ def _floors(
     }
     magnitude.resize_(0)  # free it before the next buffers
     feedback = ErrorFeedback(layout, gradient.dtype, device)
-    grads = list(gradient.split(list(layout.sizes)))
+    grads = [g.view(shape) for g, shape in zip(gradient.split(list(layout.sizes)), layout.shapes)]
     positions = torch.randperm(layout.numel, device=device)[:target]
-    written = [torch.empty_like(g) for g in grads]
-    views = feedback.accumulated.split(list(layout.sizes))
+    output = FlatVector(layout, gradient.dtype, device).data
     floors["compensate_ms"] = timed(lambda: feedback.compensate(grads))
-    floors["nonfinite_ms"] = timed(feedback.nonfinite)
-    floors["write_back_ms"] = timed(lambda: [w.copy_(v) for w, v in zip(written, views)])
+    floors["zero_ms"] = timed(output.zero_)
     floors["forget_ms"] = timed(lambda: feedback.forget(positions))
     return floors
 
@@ -320,13 +326,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"torch.topk {significant(floor['topk_ms'])} ms, one memory pass "
             f"{significant(floor['pass_ms'])} ms. Cells: median ms (× one pass)."
         )
-        if "compensate_ms" in floor:
+        if "zero_ms" in floor:
             parts.append(
-                "Dense passes of every reducer step (ms): error-feedback add "
-                f"{significant(floor['compensate_ms'])}, non-finite check "
-                f"{significant(floor['nonfinite_ms'])}, write-back into p.grad "
-                f"{significant(floor['write_back_ms'])}; forgetting k positions "
-                f"{significant(floor['forget_ms'])}."
+                "The dense pass of every step (ms): the error-feedback add "
+                f"{significant(floor['compensate_ms'])}; a zeroing pass (the hook's bucket, "
+                f"or p.grad changed in place) {significant(floor['zero_ms'])}; forgetting k "
+                f"positions {significant(floor['forget_ms'])}."
             )
         for part, title in (("select", "Selection"), ("overhead", "Whole per-step overhead")):
             table = []

@@ -215,7 +215,7 @@ def summarize(
     dense = all_reduce_bytes(numel * 4, world_size)
     sent = [step_bytes(r, world_size, numel, value_bytes) for r in records]
     # One worker exchanges no indices at all.
-    gathered = records[0].exchange in ("exclusive", "fixed", "union") and world_size > 1
+    gathered = records[0].exchange in ("padded", "fixed", "union") and world_size > 1
     shape = shape_of(records, numel, value_bytes)
     return {
         "build_up": statistics.median(r.selected / r.target for r in records),
@@ -242,7 +242,6 @@ def summarize(
         "traffic_ratio": statistics.median(sent) / dense if dense else math.nan,
         "select_ms": 1e3 * statistics.median(statistics.median(r.select_seconds) for r in records),
         "select_ms_slowest": 1e3 * statistics.median(max(r.select_seconds) for r in records),
-        "plan_ms": 1e3 * statistics.median(r.plan_seconds for r in records),
         "shape": asdict(shape),
     }
 
@@ -383,7 +382,7 @@ def capacity_at(variant: Variant, density: float, numel: int, world_size: int) -
     """Index slots per rank of a ``fixed`` exchange: the sparsifier's own ``capacity``."""
     sparsifier = variant.create(density)
     sparsifier.bind(layout_from_sizes([numel]), 0, world_size)
-    return sparsifier.capacity
+    return sparsifier.framing().capacity  # type: ignore[attr-defined]
 
 
 def _overheads(

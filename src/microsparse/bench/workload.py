@@ -22,7 +22,7 @@ REFERENCE_MICRO = {
     "index_message": "padded",
 }
 """Options that make ``micro`` behave like the authors' reference code (those it offers)."""
-PARTITIONED = ("exclusive", "fixed")
+PARTITIONED = ("padded", "fixed")
 """Exchanges whose ranks select in disjoint partitions: their selection depends on n."""
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from microsparse.cli import arguments
-from microsparse.ddp.state import HOOK_SPARSIFIERS
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
-from microsparse.sparsifiers.micro import SELECTIONS
+from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS
+from microsparse.sparsifiers.partition import PARTITIONINGS
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
 from microsparse.training.checkpoint import read_meta
 from microsparse.training.config import (
@@ -104,13 +104,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--threshold-rule",
         choices=THRESHOLD_RULES,
         help="MiCRO's shared threshold: quantile, or the paper's per-step corrections "
-        "(loop default: quantile; ddp: symmetric)",
+        "(default: quantile)",
+    )
+    add(
+        "--partitioning",
+        choices=tuple(PARTITIONINGS),
+        help="MiCRO's partitions: interleaved blocks or the paper's contiguous ranges "
+        "(default: interleaved)",
+    )
+    add(
+        "--index-message",
+        choices=INDEX_MESSAGES,
+        help="MiCRO's index message: fixed (carries its own count) or the paper's padded one "
+        "after a count round (default: fixed). The reference code is --threshold-rule as_coded "
+        "--partitioning contiguous --index-message padded",
     )
     add(
         "--integration",
         choices=("loop", "ddp"),
         help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
-        f"with the sparse comm hook (sparsifiers {', '.join(HOOK_SPARSIFIERS)}) (default: loop)",
+        "with the sparse comm hook (the same step, overlapped with backward) (default: loop)",
     )
     recipe = train.add_argument_group("recipe (default: the task's)")
     add = recipe.add_argument
@@ -253,17 +266,12 @@ def _check_before_spawning(
     config: TrainConfig, workers: int, parser: argparse.ArgumentParser
 ) -> Any:
     """Everything a worker would otherwise fail on, reported once; returns the loaded data."""
-    if config.integration == "ddp" and config.sparsifier not in HOOK_SPARSIFIERS:
-        parser.error(
-            f"argument --sparsifier: the DDP hook supports {', '.join(HOOK_SPARSIFIERS)}, "
-            f"not {config.sparsifier!r}; use --integration loop for it"
-        )
-    if config.integration == "ddp" and config.selection is not None:
-        parser.error("argument --selection: the DDP hook selects by a shared threshold only")
+    options = config.sparsifier_options()
     try:
-        create_sparsifier(config.sparsifier, config.density, **config.sparsifier_options())
+        create_sparsifier(config.sparsifier, config.density, **options)
     except (TypeError, ValueError) as error:
-        option = "--selection" if config.selection is not None else "--threshold-rule"
+        named = [name for name in options if name in str(error)] or list(options) or ["x"]
+        option = "--sparsifier" if named == ["x"] else "--" + named[0].replace("_", "-")
         parser.error(f"argument {option}: {error}")
     task = get_task(config.task)
     try:

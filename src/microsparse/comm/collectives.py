@@ -1,8 +1,14 @@
-"""Collectives over a ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
+"""The collectives of one step, as requests, and who runs them.
 
-Every rank issues the same collectives in the same order with the same sizes: sizes that
-depend on data (the number of selected indices) are agreed on first, through a small
-fixed-size header that every rank sends, so a rank that disagrees is detected, not waited on.
+A sparse step (``microsparse.engine``) never calls ``torch.distributed`` itself: it *yields*
+:class:`Collective` requests and is sent their results. Anything with the small
+:class:`Collectives` protocol can run them: :class:`ProcessGroupCollectives` over a real
+process group (gloo on CPU, NCCL on CUDA), blocking or as futures for the DDP hook, and the
+in-process groups of ``microsparse.comm.local`` for the simulator and the benchmarks.
+
+Every rank issues the same requests in the same order with the same sizes: sizes that depend
+on data (the number of selected indices) are agreed on first, through a small fixed-size
+header that every rank sends, so a rank that disagrees is detected, not waited on.
 
 Wire bytes are modelled for ring algorithms: an all-gather of an m-byte message sends
 (n − 1)·m bytes per rank, an all-reduce of p bytes sends 2·(n − 1)/n·p bytes per rank, and a
@@ -13,6 +19,8 @@ reports m, the leader's cost and an upper bound for the others.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -22,6 +30,8 @@ from microsparse.errors import ConfigMismatchError
 # ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns on every call
 # in recent torch); both gather equal-size inputs of every rank into one flat output.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Kind = Literal["all_gather", "all_reduce", "broadcast"]
 
 
 def all_gather_bytes(message_bytes: int, world_size: int) -> int:
@@ -39,6 +49,10 @@ def broadcast_bytes(message_bytes: int, world_size: int) -> int:
     return message_bytes if world_size > 1 else 0
 
 
+WIRE_BYTES = {"all_gather": all_gather_bytes, "all_reduce": all_reduce_bytes,
+              "broadcast": broadcast_bytes}  # fmt: skip
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """The narrowest integer type that holds every position of a vector of ``numel`` entries.
 
@@ -49,16 +63,56 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel <= torch.iinfo(torch.int32).max else torch.int64
 
 
-class Communicator:
-    """The collectives one reducer uses, bound to one process group.
+@dataclass(frozen=True)
+class Collective:
+    """One request of the step protocol: what every rank must run next, with equal sizes.
 
-    Without an initialised default process group it acts as a group of one: every
-    collective is the identity, so the same code serves single-process training.
+    ``all_gather``: ``tensor`` is this rank's 1-D row; the result stacks every rank's row into
+    an (n, len) tensor. ``all_reduce``: ``tensor`` is summed over ranks in place and is the
+    result. ``broadcast``: ``tensor`` is overwritten with rank ``root``'s and is the result.
+    ``what`` names the message (``header``, ``indices``, ``values``, ``plan``, ``agreement``).
 
     Example:
-        >>> comm = Communicator()          # no process group: a group of one
+        >>> request = Collective("all_reduce", torch.zeros(10), what="values")
+        >>> request.wire_bytes(world_size=4)   # 40 bytes, ring all-reduce: 2 · 3/4 · 40
+        60
+    """
+
+    kind: Kind
+    tensor: torch.Tensor
+    what: str = ""
+    root: int = 0
+
+    def wire_bytes(self, world_size: int) -> int:
+        """Bytes this rank sends for it, modelled for ring algorithms (0 for one worker)."""
+        if world_size == 1:
+            return 0
+        return WIRE_BYTES[self.kind](self.tensor.numel() * self.tensor.element_size(), world_size)
+
+
+class Collectives(Protocol):
+    """What a driver needs to run a step's requests: a rank, a size and :meth:`run`."""
+
+    rank: int
+    world_size: int
+
+    def run(self, request: Collective) -> torch.Tensor:
+        """Run ``request`` to completion and return its result (see :class:`Collective`)."""
+        ...
+
+
+class ProcessGroupCollectives:
+    """:class:`Collective` requests on a ``torch.distributed`` process group.
+
+    Without an initialised default process group it is a group of one: every request is the
+    identity, so the same code serves single-process training.
+
+    Example:
+        >>> comm = ProcessGroupCollectives()      # no process group: a group of one
         >>> comm.rank, comm.world_size
         (0, 1)
+        >>> comm.run(Collective("all_gather", torch.tensor([7]))).tolist()
+        [[7]]
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -76,59 +130,52 @@ class Communicator:
             self.rank = 0
             self.world_size = 1
 
-    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """Stack every rank's equally shaped 1-D ``row`` into an (n, len) tensor."""
-        if self.world_size == 1:
-            return row.unsqueeze(0)
-        out = row.new_empty(self.world_size * row.numel())
-        all_gather_flat(out, row.contiguous(), group=self.group)
-        return out.view(self.world_size, row.numel())
+    def run(self, request: Collective) -> torch.Tensor:
+        work, result = self._issue(request, async_op=False)
+        return result
 
-    def check_agreement(self, what: str, values: Sequence[int], device: torch.device) -> None:
-        """Raise ``ConfigMismatchError`` on every rank unless all ranks pass equal ``values``."""
-        row = torch.tensor(list(values), dtype=torch.long, device=device)
-        rows = self.all_gather_rows(row).tolist()
-        if any(r != rows[0] for r in rows):
-            listing = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(rows))
-            raise ConfigMismatchError(f"ranks disagree on {what} ({listing})")
+    def start(self, request: Collective) -> torch.futures.Future[torch.Tensor]:
+        """Issue ``request`` without waiting; the future completes with its result."""
+        work, result = self._issue(request, async_op=True)
+        if work is None:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(result)
+            return done
+        return work.get_future().then(lambda _: result)
 
-    def gather_indices(
-        self, local: torch.Tensor, counts: Sequence[int], numel: int, unique: bool
-    ) -> tuple[torch.Tensor, int]:
-        """Every rank's selected positions, concatenated in rank order (or deduplicated).
+    def _issue(self, request: Collective, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
+        tensor, n = request.tensor, self.world_size
+        if request.kind == "all_gather":
+            if n == 1 or tensor.numel() == 0:
+                return None, tensor.unsqueeze(0).expand(n, tensor.numel())
+            out = tensor.new_empty(n * tensor.numel())
+            work = all_gather_flat(out, tensor.contiguous(), group=self.group, async_op=async_op)
+            return work, out.view(n, tensor.numel())
+        if n == 1 or tensor.numel() == 0:
+            return None, tensor
+        if request.kind == "all_reduce":
+            return dist.all_reduce(tensor, group=self.group, async_op=async_op), tensor
+        root = request.root
+        if self.group is not None:
+            root = dist.get_global_rank(self.group, root)
+        return dist.broadcast(tensor, src=root, group=self.group, async_op=async_op), tensor
 
-        ``counts[r]`` must be rank r's selection size, already known to all ranks. Messages
-        are padded to the largest count because gloo's all-gather needs equal sizes. Returns
-        the positions (int64) and the bytes this rank sent. ``numel`` is the vector length,
-        which decides the index width of the message (int32 whenever positions fit).
-        """
-        longest = max(counts)
-        if self.world_size == 1 or longest == 0:  # counts are agreed: all ranks skip together
-            return local, 0
-        message = torch.zeros(longest, dtype=index_dtype(numel), device=local.device)
-        message[: local.numel()] = local
-        rows = self.all_gather_rows(message)
-        pieces = [rows[rank, :count] for rank, count in enumerate(counts) if count]
-        positions = torch.cat(pieces).long()
-        if unique:
-            positions = torch.unique(positions, sorted=True)
-        sent = all_gather_bytes(longest * message.element_size(), self.world_size)
-        return positions, sent
 
-    def sum_(self, values: torch.Tensor) -> int:
-        """All-reduce ``values`` in place (sum). Returns the bytes this rank sent.
+def check_agreement(
+    collectives: Collectives, what: str, values: Sequence[int], device: torch.device
+) -> None:
+    """Raise ``ConfigMismatchError`` on every rank unless all ranks pass equal ``values``."""
+    row = torch.tensor(list(values), dtype=torch.long, device=device)
+    rows = collectives.run(Collective("all_gather", row, "agreement")).tolist()
+    if any(r != rows[0] for r in rows):
+        listing = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(rows))
+        raise ConfigMismatchError(f"ranks disagree on {what} ({listing})")
 
-        The length of ``values`` must be agreed by all ranks; an empty vector is skipped.
-        """
-        if self.world_size == 1 or values.numel() == 0:
-            return 0
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
-        return all_reduce_bytes(values.numel() * values.element_size(), self.world_size)
 
-    def broadcast_(self, message: torch.Tensor, source: int) -> int:
-        """Overwrite ``message`` on every rank with rank ``source``'s. Returns bytes sent."""
-        if self.world_size == 1:
-            return 0
-        root = source if self.group is None else dist.get_global_rank(self.group, source)
-        dist.broadcast(message, src=root, group=self.group)
-        return broadcast_bytes(message.numel() * message.element_size(), self.world_size)
+def check_steps(steps: Sequence[int], what: str = "synchronize()") -> None:
+    """Raise ``ConfigMismatchError`` unless every rank is at the same step."""
+    if len(set(steps)) > 1:
+        raise ConfigMismatchError(
+            f"ranks called {what} a different number of times (steps per rank: {list(steps)}); "
+            "every rank must call it exactly once per training step"
+        )

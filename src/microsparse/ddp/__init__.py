@@ -1,4 +1,4 @@
-"""Where it plugs in: MiCRO (and top-k, dense) as a ``DistributedDataParallel`` comm hook.
+"""Where it plugs in: any registered sparsifier as a ``DistributedDataParallel`` comm hook.
 
 Example:
     >>> state = microsparse.ddp.MicroState(density=0.001)               # doctest: +SKIP

@@ -1,8 +1,7 @@
-"""State of the sparse DDP communication hook: options, residuals, threshold, step statistics."""
+"""State of the sparse DDP communication hook: the options, the slabs, the pass statistics."""
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,53 +9,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microsparse.comm import all_reduce_bytes
-from microsparse.ddp.memory import ParameterResiduals
+from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
+from microsparse.comm.framing import Dense, Padded
 from microsparse.ddp.ordering import OrderedLauncher
+from microsparse.ddp.slabs import Job, Slabs
+from microsparse.engine import StepReport
+from microsparse.layout import Layout
+from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
-from microsparse.sparsifiers.threshold import STEP_RULES, ThresholdController, ThresholdRule
 from microsparse.stats import StepStats
 
-HOOK_SPARSIFIERS = ("micro", "topk", "dense")
-
-
-@dataclass
-class _PassTotals:
-    """Sums over the buckets of one backward pass, filled in by completion callbacks."""
-
-    step: int = 0
-    numel: int = 0
-    selected: int = 0
-    candidates: int = 0
-    local_selected: int = 0
-    message_slots: int = 0
-    bytes_sent: int = 0
-    dense_bytes: int = 0
-    select_seconds: float = 0.0
-    exchange_seconds: float = 0.0
-    buckets_done: int = 0
-    buckets: int | None = None  # known once the last bucket's hook has run
-    extra: dict[str, Any] = field(default_factory=dict)
+VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
 
 
 class SparseState:
     """Options and state of :func:`microsparse.ddp.sparse_hook` for one DDP model.
 
-    Args:
-        sparsifier: ``"micro"``, ``"topk"`` or ``"dense"`` (plain averaging, as DDP does).
-        density: fraction of the model's gradient entries to send per step, in (0, 1]; 1 sends
-            everything, whatever the sparsifier.
-        process_group: the group DDP averages over (``None``: the default group).
-        threshold_rule: MiCRO's threshold controller, ``"symmetric"`` or ``"as_coded"``.
-        capacity_factor: MiCRO's index message per rank and bucket holds
-            ``ceil(capacity_factor · density · bucket size / n)`` positions, so a step needs two
-            collective rounds per bucket (indices with their count, then values) instead of
-            three. Positions beyond it (only while the threshold is far too low, e.g. in the
-            first steps) are not sent this step: the largest ones are kept, the rest stay in
-            the residual. Larger values waste index bytes, smaller ones defer more entries.
+    Takes the same sparsifiers, densities and options as :class:`microsparse.GradientReducer`,
+    with the same defaults, and runs the same step (``microsparse.engine``) on every slab of
+    DDP's buckets.
 
-    Construction is collective (it creates two process groups for the hook's own collectives,
-    so they never interleave with DDP's), so every rank must build the state.
+    Args:
+        sparsifier: a name from :func:`microsparse.available_sparsifiers`.
+        density: fraction of the model's gradient entries to send per step, in (0, 1]. At 1
+            every sparsifier averages densely, exactly as DDP does.
+        process_group: the group DDP averages over (``None``: the default group).
+        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
+        **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
+
+    The state can be built before ``init_process_group``, pickled and deep-copied: it binds
+    to the process group at the first backward pass (every rank then creates the hook's own
+    process groups, one per collective round, so that they never interleave with DDP's).
+
+    Example:
+        >>> state = microsparse.ddp.SparseState("micro", density=0.001)     # doctest: +SKIP
+        >>> ddp_model.register_comm_hook(state, microsparse.ddp.sparse_hook)  # doctest: +SKIP
     """
 
     def __init__(
@@ -65,136 +52,77 @@ class SparseState:
         density: float = 0.001,
         process_group: dist.ProcessGroup | None = None,
         *,
-        threshold_rule: ThresholdRule = "symmetric",
-        capacity_factor: float = 2.0,
+        value_dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
-        if sparsifier not in HOOK_SPARSIFIERS:
+        if value_dtype not in VALUE_DTYPES:
             raise ValueError(
-                f"sparsifier must be one of {', '.join(HOOK_SPARSIFIERS)} for the DDP hook; "
-                f"got {sparsifier!r}"
-            )
-        if threshold_rule not in STEP_RULES:
-            raise ValueError(
-                f"threshold_rule must be one of {', '.join(STEP_RULES)} for the DDP hook; "
-                f"got {threshold_rule!r}"
-            )
-        if (
-            not isinstance(capacity_factor, (int, float))
-            or not math.isfinite(capacity_factor)
-            or capacity_factor < 1
-        ):
-            raise ValueError(
-                f"capacity_factor must be a finite number >= 1, got {capacity_factor!r}"
-            )
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "SparseState needs torch.distributed: call init_process_group before building it"
+                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
             )
         self.sparsifier = sparsifier
         self.density = validate_density(density)
-        self.threshold_rule: ThresholdRule = threshold_rule
-        self.capacity_factor = float(capacity_factor)
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self.rank = dist.get_rank(process_group)
-        self.world_size = len(ranks)
-        # Index all-gathers are issued from the hook (autograd thread), value all-reduces from
-        # completion callbacks: separate groups keep each group's order identical on all ranks.
-        self.index_group = dist.new_group(ranks)
-        self.value_group = dist.new_group(ranks)
-        self.residuals = ParameterResiduals(self.world_size)
-        self.launcher = OrderedLauncher()
+        self.options = dict(options)
+        self.value_dtype = value_dtype
+        self.process_group = process_group
+        create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
         self.step = 0
-        """Backward passes completed (the rotation counter t)."""
-        self.numel: int | None = None
-        """Model size d, learned during the first backward pass."""
-        self.controller: ThresholdController | None = None
+        """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None
         """Statistics of the last completed backward pass."""
-        self._sequence = 0
-        self._lock = threading.Lock()
-        self._totals = _PassTotals()
-        self._previous_candidates: int | None = None
+        self._binding: _Binding | None = None
+        self._pending: dict[str, Any] | None = None
 
     @property
-    def sends_everything(self) -> bool:
-        """True while this pass is a dense all-reduce (first pass, density 1, or ``dense``)."""
-        return self.numel is None or self.density >= 1.0 or self.sparsifier == "dense"
+    def averages_densely(self) -> bool:
+        """Density 1, or the ``dense`` sparsifier: plain averaging, as DDP's own."""
+        return self.density >= 1.0 or self.sparsifier == "dense"
+
+    def _make_sparsifier(self) -> Sparsifier:
+        if self.averages_densely:
+            return create_sparsifier("dense", 1.0)
+        return create_sparsifier(self.sparsifier, self.density, **self.options)
+
+    def bind(self) -> _Binding:
+        """Bind to the process group (collective: every rank, at the first backward pass)."""
+        if self._binding is not None:
+            return self._binding
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "the sparse DDP hook needs torch.distributed: call init_process_group before "
+                "the first backward pass"
+            )
+        group = self.process_group
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        rank, world_size = dist.get_rank(group), len(ranks)
+        if self._pending is not None:
+            self._check_saved_by(self._pending, rank, world_size)
+        probe = self._make_sparsifier()
+        probe.bind(_probe_layout(), rank, world_size)
+        rounds = _rounds(probe)
+        groups = [dist.new_group(ranks) for _ in range(rounds)]
+        slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype)
+        if self._pending is not None:
+            slabs.restore(self._pending["slabs"])
+            self._pending = None
+        self._binding = _Binding(
+            rank, world_size, [ProcessGroupCollectives(g) for g in groups],
+            [OrderedLauncher() for _ in range(rounds)], slabs,
+        )  # fmt: skip
+        return self._binding
+
+    def residual(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's residual of ``param`` (flat; do not modify), once the hook has met it."""
+        if self._binding is None or id(param) not in self._binding.slabs.residuals:
+            raise KeyError("the hook has not met this parameter yet (no backward pass so far)")
+        return self._binding.slabs.residuals[id(param)]
 
     @property
-    def threshold(self) -> float:
-        return self.controller.threshold if self.controller else math.nan
+    def rank(self) -> int | None:
+        return None if self._binding is None else self._binding.rank
 
-    def micro_capacity(self, bucket_numel: int) -> int:
-        return max(
-            1, math.ceil(self.capacity_factor * self.density * bucket_numel / self.world_size)
-        )
-
-    def topk_count(self, bucket_numel: int) -> int:
-        return max(1, math.floor(self.density * bucket_numel))
-
-    # ---- the life cycle of one backward pass, driven by the hook -------------------------
-
-    def begin_bucket(self) -> int:
-        """Position of this bucket in the current pass; the first one starts a new pass."""
-        if self._sequence == 0:
-            if self.controller is not None and self._previous_candidates is not None:
-                self.controller.update(self._previous_candidates)
-            self._previous_candidates = None
-            self._totals = _PassTotals(step=self.step)
-            self.launcher.reset()
-        return self._sequence
-
-    def end_bucket(self, is_last: bool) -> None:
-        if not is_last:
-            self._sequence += 1
-            return
-        with self._lock:
-            self._totals.buckets = self._sequence + 1
-            self._finish_pass_if_done()
-        self._sequence = 0
-        self.step += 1
-
-    def record(self, **amounts: Any) -> None:
-        """Add one bucket's numbers to the current pass (thread-safe, from callbacks)."""
-        with self._lock:
-            totals = self._totals
-            for name, amount in amounts.items():
-                setattr(totals, name, getattr(totals, name) + amount)
-            totals.buckets_done += 1
-            self._finish_pass_if_done()
-
-    def _finish_pass_if_done(self) -> None:
-        totals = self._totals
-        if totals.buckets is None or totals.buckets_done < totals.buckets:
-            return
-        if self.numel is None:  # the first pass taught us the model size
-            self.numel = totals.numel
-            self.controller = ThresholdController(self._target(), self.threshold_rule)
-        elif self.controller is not None:
-            self._previous_candidates = totals.candidates
-        self.last_step = StepStats(
-            step=totals.step,
-            numel=totals.numel,
-            world_size=self.world_size,
-            selected=totals.selected,
-            target=self._target(),
-            threshold=self.threshold,
-            local_selected=totals.local_selected,
-            max_local_selected=totals.message_slots,
-            partition=None,
-            bytes_sent=totals.bytes_sent,
-            dense_bytes=totals.dense_bytes,
-            select_seconds=totals.select_seconds,
-            exchange_seconds=totals.exchange_seconds,
-            extra={"candidates": totals.candidates, "dense_pass": totals.selected == totals.numel},
-        )
-
-    def _target(self) -> int:
-        assert self.numel is not None
-        return max(1, math.floor(self.density * self.numel))
-
-    def dense_bytes(self, bucket_numel: int, element_size: int) -> int:
-        return all_reduce_bytes(bucket_numel * element_size, self.world_size)
+    @property
+    def world_size(self) -> int | None:
+        return None if self._binding is None else self._binding.world_size
 
     # ---- checkpointing -------------------------------------------------------------------
 
@@ -202,50 +130,82 @@ class SparseState:
         return {
             "sparsifier": self.sparsifier,
             "density": self.density,
-            "threshold_rule": self.threshold_rule,
-            "capacity_factor": self.capacity_factor,
-            "world_size": self.world_size,
+            "options": sorted(self.options.items()),
+            "value_dtype": str(self.value_dtype),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Step, model size, threshold and every parameter's residual (this rank's).
-
-        Process groups are not part of it. Save one per rank, between steps.
+        """Step, every parameter's residual, the slabs and their sparsifiers' states (this
+        rank's; save one per rank, between steps). Process groups are not part of it.
 
         Example:
             >>> torch.save(state.state_dict(), f"hook-rank{rank}.pt")  # doctest: +SKIP
         """
+        binding = self._binding
+        if binding is None:
+            slabs = self._pending["slabs"] if self._pending else _empty_slabs()
+            rank, world_size = (self._pending or {}).get("rank"), (self._pending or {}).get(
+                "world_size"
+            )
+        else:
+            slabs, rank, world_size = binding.slabs.state(), binding.rank, binding.world_size
         return {
             "config": self._config(),
             "step": self.step,
-            "numel": self.numel,
-            "threshold": self.controller.threshold if self.controller else None,
-            "previous_candidates": self._previous_candidates,
-            "residuals": self.residuals.state(),
+            "rank": rank,
+            "world_size": world_size,
+            "slabs": slabs,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into a state registered on a fresh DDP model, before its first backward.
 
         The residuals are matched to parameters in the order the hook meets them, which a given
-        model definition fixes, so the resumed run continues exactly.
+        model definition fixes, and the saved slabs are kept for the first pass, so the
+        resumed run continues exactly. Raises if the state was saved with other options, or by
+        another rank or world size.
         """
         if state["config"] != self._config():
             raise ValueError(
                 f"load_state_dict: saved with options {state['config']}, "
                 f"this state has {self._config()}"
             )
-        self.residuals.restore(state["residuals"])
+        if self._binding is not None:
+            if self._binding.slabs.order:
+                raise RuntimeError("load_state_dict must be called before the first backward pass")
+            self._check_saved_by(state, self._binding.rank, self._binding.world_size)
+            self._binding.slabs.restore(state["slabs"])
+        else:
+            self._pending = state
         self.step = int(state["step"])
-        self.numel = state["numel"]
-        self._previous_candidates = state["previous_candidates"]
-        if self.numel is not None:
-            self.controller = ThresholdController(self._target(), self.threshold_rule)
-            self.controller.threshold = float(state["threshold"])
+
+    @staticmethod
+    def _check_saved_by(state: dict[str, Any], rank: int, world_size: int) -> None:
+        saved = (state.get("rank"), state.get("world_size"))
+        if saved[0] is not None and saved != (rank, world_size):
+            raise ValueError(
+                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
+                f"loaded on rank {rank} of {world_size}; every rank must load its own state"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "args": (self.sparsifier, self.density),
+            "value_dtype": self.value_dtype,
+            "options": self.options,
+            "state": self.state_dict(),
+        }
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        # Process groups do not pickle: the copy binds to the default group on first use.
+        SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
+                             **saved["options"])  # fmt: skip
+        self._pending = saved["state"] if saved["state"]["rank"] is not None else None
+        self.step = int(saved["state"]["step"])
 
 
 class MicroState(SparseState):
-    """State of :func:`microsparse.ddp.micro_hook`: MiCRO with one model-wide threshold.
+    """State of :func:`microsparse.ddp.micro_hook`: MiCRO, with the loop API's defaults.
 
     Example:
         >>> state = microsparse.ddp.MicroState(density=0.001)               # doctest: +SKIP
@@ -257,18 +217,87 @@ class MicroState(SparseState):
         density: float = 0.001,
         process_group: dist.ProcessGroup | None = None,
         *,
-        threshold_rule: ThresholdRule = "symmetric",
-        capacity_factor: float = 2.0,
+        value_dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            "micro",
-            density,
-            process_group,
-            threshold_rule=threshold_rule,
-            capacity_factor=capacity_factor,
+        super().__init__("micro", density, process_group, value_dtype=value_dtype, **options)
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        SparseState.__setstate__(self, saved)
+
+
+@dataclass
+class _Binding:
+    """What the state holds once bound: the hook's collectives and the slabs."""
+
+    rank: int
+    world_size: int
+    collectives: list[ProcessGroupCollectives]
+    """One per collective round of a step, each on its own process group."""
+    launchers: list[OrderedLauncher]
+    """Round r of every slab is issued in slab order (round 0 from the hook itself)."""
+    slabs: Slabs
+    current: PassRecord | None = None
+
+
+@dataclass
+class PassRecord:
+    """One backward pass: its slabs' reports, its first error and its buckets' futures."""
+
+    step: int
+    reports: list[tuple[Job, StepReport]] = field(default_factory=list)
+    error: BaseException | None = None
+    buckets: dict[int, tuple[torch.futures.Future, torch.Tensor, set]] = field(
+        default_factory=dict
+    )
+    slabs_started: int = 0
+    saw_last_bucket: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = error
+
+    def stats(self, world_size: int) -> StepStats:
+        reports = [report for _, report in self.reports]
+        numel = sum(job.slab.layout.numel for job, _ in self.reports)
+        largest = max(self.reports, key=lambda item: item[0].slab.layout.numel)
+        element = largest[0].slab.feedback.accumulated.element_size()
+        return StepStats(
+            step=self.step,
+            numel=numel,
+            world_size=world_size,
+            selected=sum(r.selected for r in reports),
+            target=sum(job.slab.sparsifier.target for job, _ in self.reports),
+            threshold=largest[1].threshold,
+            local_selected=sum(r.local_selected for r in reports),
+            max_local_selected=sum(r.message_slots for r in reports),
+            partition=None,
+            bytes_sent=sum(r.bytes_sent for r in reports),
+            dense_bytes=all_reduce_bytes(numel * element, world_size),
+            select_seconds=sum(r.select_seconds for r in reports),
+            exchange_seconds=sum(r.finish_seconds for r in reports),
+            extra={"slabs": len(reports)},
+            proposed=sum(r.proposed for r in reports),
+            exchange=largest[0].slab.engine.framing.label,
         )
 
 
-def accumulator_dtype(gradient: torch.Tensor) -> torch.dtype:
-    # Half-precision residuals would round small unsent values away.
-    return torch.promote_types(gradient.dtype, torch.float32)
+def _rounds(sparsifier: Sparsifier) -> int:
+    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol)."""
+    framing = sparsifier.framing()
+    if isinstance(framing, Dense):
+        return 2  # header, values
+    if sparsifier.planned:  # header, plan, (indices,) values
+        return 3 + isinstance(framing, Padded)
+    # (agreement,) the index exchange (a padded one has a count header first), values
+    return int(sparsifier.agrees) + (2 if isinstance(framing, Padded) else 1) + 1
+
+
+def _probe_layout() -> Layout:
+    return Layout.of([("probe", torch.empty(4096))])
+
+
+def _empty_slabs() -> dict[str, Any]:
+    return {"residuals": [], "slabs": [], "states": []}

@@ -1,5 +1,5 @@
 """What is kept back: error feedback over one flat residual vector."""
 
-from microsparse.feedback.residual import ErrorFeedback
+from microsparse.feedback.residual import ErrorFeedback, Fresh, any_nonfinite
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "Fresh", "any_nonfinite"]

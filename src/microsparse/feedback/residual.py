@@ -13,6 +13,9 @@ import torch
 
 from microsparse.layout import FlatVector, Layout
 
+Fresh = torch.Tensor | Sequence[torch.Tensor | None]
+"""A slab's fresh gradient: one flat tensor, or one tensor per parameter (``None``: none)."""
+
 
 class ErrorFeedback:
     """The residual of one worker, laid out like the flat gradient vector.
@@ -33,19 +36,18 @@ class ErrorFeedback:
         self.views = self._vector.views
         """``accumulated`` shaped like each parameter."""
 
-    def compensate(self, gradients: Sequence[torch.Tensor | None]) -> None:
+    def compensate(self, fresh: Fresh) -> None:
         """a ← e + g, in place. A missing gradient (unused parameter) counts as zero."""
-        for view, gradient in zip(self.views, gradients):
-            if gradient is not None:
-                view.add_(gradient)
+        if isinstance(fresh, torch.Tensor):
+            self.accumulated.add_(fresh.view(-1))
+            return
+        pairs = [(view, g) for view, g in zip(self.views, fresh) if g is not None]
+        if pairs:
+            torch._foreach_add_([view for view, _ in pairs], [g for _, g in pairs])
 
     def forget(self, sent: torch.Tensor) -> None:
         """e ← a with every sent position zeroed: O(K), no dense pass."""
         self.accumulated.index_fill_(0, sent, 0)
-
-    def nonfinite(self) -> torch.Tensor:
-        """A 0-d bool tensor, True if a contains NaN or Inf (one pass, no host sync)."""
-        return any_nonfinite(self.accumulated)
 
 
 def any_nonfinite(values: torch.Tensor) -> torch.Tensor:

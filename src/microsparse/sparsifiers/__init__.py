@@ -8,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, TypeVar
 
 from microsparse.sparsifiers.base import Sparsifier, validate_density
@@ -37,9 +36,7 @@ def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
             f"sparsifier must be one of {', '.join(available_sparsifiers())}; got {name!r}"
         )
     cls = _REGISTRY[name]
-    accepted = [
-        p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "density")
-    ]
+    accepted = cls.option_names()
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         hint = f"it accepts: {', '.join(accepted)}" if accepted else "it takes no options"

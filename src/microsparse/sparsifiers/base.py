@@ -1,27 +1,22 @@
-"""The contract between the reducer and a sparsifier: *what* is selected.
+"""The contract between the engine and a sparsifier: *what* is selected.
 
 A sparsifier only decides which positions of the error-feedback-accumulated flat vector this
-rank proposes for sending, and how those proposals combine across ranks (``exchange``). The
-reducer does everything else: accumulation and residuals (``microsparse.feedback``), the
-collectives (``microsparse.comm``), and writing the averaged gradient back.
+rank proposes for sending, and how its index message is framed (:meth:`Sparsifier.framing`,
+from ``microsparse.comm.framing``). The engine (``microsparse.engine``) does everything else:
+accumulation and residuals, the collectives, and writing the averaged gradient.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
+from microsparse.comm.framing import Framing
 from microsparse.layout import Layout
-
-Exchange = Literal["exclusive", "fixed", "union", "shared", "dense"]
-"""How per-rank selections combine: ``exclusive`` (disjoint by construction, concatenated),
-``fixed`` (exclusive, in one fixed-capacity message per rank that also carries the count and
-the step's checks: the sparsifier sets ``capacity``), ``union`` (may overlap, deduplicated),
-``shared`` (every rank selects the same positions, e.g. from a leader's plan: no index
-exchange) or ``dense`` (no selection; plain all-reduce)."""
 
 
 def validate_density(density: float) -> float:
@@ -39,34 +34,38 @@ def validate_density(density: float) -> float:
 class Sparsifier(ABC):
     """Base class of every sparsifier in the registry.
 
-    Subclasses set ``name`` and ``exchange``, implement ``select`` and, if they adapt over
-    time, ``update`` and the ``state_dict`` pair. Constructor keyword arguments are the
-    user-facing options (``GradientReducer(..., sparsifier="micro", threshold_rule="as_coded")``).
+    Subclasses set ``name``, implement :meth:`select` and :meth:`framing`, and, if they adapt
+    over time, :meth:`update` and the ``state_dict`` pair. Constructor keyword arguments are the
+    user-facing options (``GradientReducer(..., sparsifier="micro", threshold_rule="as_coded")``)
+    and must be stored under their own names: :meth:`options` reads them back from there, so
+    that every rank's options enter the configuration check.
 
     Sparsifiers whose selection a leader decides set ``planned = True`` and implement the plan
-    trio. Each step the reducer then calls ``make_plan`` on the leader only, broadcasts that
+    trio. Each step the engine then calls ``make_plan`` on the leader only, broadcasts that
     fixed-size tensor (``empty_plan`` gives every rank its shape), and calls ``adopt_plan`` on
     every rank before ``select``; ``adopt_plan`` returns what every rank will select, so no
     count has to be exchanged.
     """
 
     name: ClassVar[str]
-    exchange: Exchange
     planned: ClassVar[bool] = False
-    capacity: int = 0
-    """Per-rank slots of the index message, for the ``fixed`` exchange. The same at every step:
-    a rank whose step counter disagrees must still meet the others in an equal-sized
-    all-gather, so that the header can report the disagreement instead of gloo aborting."""
 
     def __init__(self, density: float) -> None:
         self.density = validate_density(density)
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        """Called once by the reducer before the first step."""
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        """Called once by the driver before the first step, for one slab of parameters.
+
+        ``target`` is k for this slab; by default max(1, ⌊density · d⌋).
+        """
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
-        self.target = max(1, math.floor(self.density * layout.numel))
+        self.target = max(1, math.floor(self.density * layout.numel)) if target is None else target
+
+    @abstractmethod
+    def framing(self) -> Framing:
+        """How this sparsifier's index message travels (after :meth:`bind`)."""
 
     @abstractmethod
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
@@ -75,13 +74,20 @@ class Sparsifier(ABC):
     def update(self, selected: int) -> None:
         """Observe the global selected count K of the step that just ended."""
 
-    def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor | None:
-        """A small vector to sum over all ranks before ``select`` (e.g. a histogram), or None.
+    @property
+    def agrees(self) -> bool:
+        """Whether every step begins with an all-ranks sum (:meth:`agreement`): fixed by the
+        options, never by the data, because every rank must take part in it."""
+        return False
 
-        The reducer all-reduces it and hands the sum to :meth:`adopt_agreement`, so that every
-        rank can derive the same parameters of this step's selection from everyone's data.
+    def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+        """A small vector to sum over all ranks before ``select`` (e.g. a histogram).
+
+        Called only if :attr:`agrees`. The engine all-reduces it and hands the sum to
+        :meth:`adopt_agreement`, so that every rank can derive the same parameters of this
+        step's selection from everyone's data.
         """
-        return None
+        raise NotImplementedError(f"{self.name} asks for no agreement")
 
     def adopt_agreement(self, total: torch.Tensor) -> None:
         """Take the all-ranks sum of this step's :meth:`agreement` vectors."""
@@ -109,16 +115,27 @@ class Sparsifier(ABC):
 
     @property
     def threshold(self) -> float:
-        """The selection threshold of the next step, NaN if the sparsifier has none."""
+        """The selection threshold of the step just selected, NaN if it has none."""
         return math.nan
+
+    def settle(self, threshold: float) -> bool:
+        """Start from ``threshold`` instead of its own initial value, if it carries one from step
+        to step (for benchmarks that time the working point). Returns whether it took it."""
+        return False
 
     def partition(self, step: int) -> tuple[int, int] | None:
         """The range this rank selects from at ``step``, if the sparsifier partitions."""
         return None
 
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The constructor's keyword options (everything but ``density``)."""
+        names = inspect.signature(cls.__init__).parameters
+        return [name for name in names if name not in ("self", "density")]
+
     def options(self) -> dict[str, Any]:
         """User-facing options, for checking that all ranks agree and for reports."""
-        return {}
+        return {name: getattr(self, name) for name in self.option_names()}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -127,8 +144,49 @@ class Sparsifier(ABC):
         pass
 
 
+class Candidates:
+    """Positions i of a contiguous 1-D vector with ``magnitude[i] >= threshold``, NaN included.
+
+    A NaN counts as at least any threshold: it is then selected and sent, and the engine sees
+    it in the sum on every rank instead of it hiding in a residual. The compare mask is made
+    once; when few entries pass, their positions are found from the mask's 64-bit words (one
+    scan over d/8 words, then the few words that hold a candidate), several times faster than
+    ``torch.nonzero`` over every entry.
+
+    Example:
+        >>> candidates = Candidates()
+        >>> candidates.at_least(torch.tensor([0.5, float("nan"), 0.1, 3.0]), 0.4).tolist()
+        [0, 1, 3]
+    """
+
+    SPARSE = 1 / 32
+    """Below this fraction of passing entries the word scan is used."""
+
+    def __init__(self) -> None:
+        self._mask = torch.empty(0, dtype=torch.bool)
+        self._sparse = True
+
+    def at_least(self, magnitude: torch.Tensor, threshold: float) -> torch.Tensor:
+        size = magnitude.numel()
+        padded = -(-size // 8) * 8
+        if self._mask.numel() < padded or self._mask.device != magnitude.device:
+            self._mask = torch.zeros(padded, dtype=torch.bool, device=magnitude.device)
+        mask = self._mask[:padded]
+        torch.lt(magnitude, threshold, out=mask[:size])
+        mask[:size].logical_not_()  # ~(m < t): NaN passes
+        mask[size:] = False
+        if self._sparse:
+            words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
+            rows, cols = torch.nonzero(mask.view(-1, 8).index_select(0, words), as_tuple=True)
+            found = words.index_select(0, rows).mul_(8).add_(cols)
+        else:
+            found = torch.nonzero(mask).squeeze(1)
+        self._sparse = found.numel() < self.SPARSE * max(size, 1)
+        return found
+
+
 class Magnitudes:
-    """|a| over a whole vector in preallocated buffers, for whole-vector selection.
+    """|a| over a whole vector in a reused buffer, for whole-vector selection.
 
     Allocating d floats every step costs page faults comparable to the selection itself,
     so the magnitude and mask buffers are made once and reused.
@@ -136,31 +194,24 @@ class Magnitudes:
     Example:
         >>> buffers = Magnitudes()
         >>> magnitude = buffers.of(torch.tensor([0.5, -2.0, 0.1, 3.0]))
-        >>> buffers.at_least(magnitude, 1.0).tolist(), int(buffers.count_at_least(magnitude, 0.2))
+        >>> buffers.at_least(magnitude, 1.0).tolist(), buffers.count_at_least(magnitude, 0.2)
         ([1, 3], 3)
     """
 
     def __init__(self) -> None:
         self._magnitude: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
+        self._candidates = Candidates()
 
     def of(self, values: torch.Tensor) -> torch.Tensor:
         """|values|, written into the reused buffer (valid until the next call)."""
         if self._magnitude is None or self._magnitude.shape != values.shape:
             self._magnitude = torch.empty_like(values)
-            self._mask = torch.empty(values.shape, dtype=torch.bool, device=values.device)
         return torch.abs(values, out=self._magnitude)
 
-    def _compare(self, magnitude: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
-        assert self._mask is not None, "call of() first"
-        return torch.ge(magnitude, threshold, out=self._mask)
+    def count_at_least(self, magnitude: torch.Tensor, threshold: float) -> int:
+        """How many entries of ``magnitude`` (from :meth:`of`) are >= ``threshold``."""
+        return self.at_least(magnitude, threshold).numel()
 
-    def count_at_least(
-        self, magnitude: torch.Tensor, threshold: float | torch.Tensor
-    ) -> torch.Tensor:
-        """How many entries of ``magnitude`` (from :meth:`of`) are >= ``threshold`` (0-d)."""
-        return self._compare(magnitude, threshold).sum()
-
-    def at_least(self, magnitude: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
-        """Positions i with ``magnitude[i] >= threshold`` (int64, ascending)."""
-        return torch.nonzero(self._compare(magnitude, threshold)).squeeze(1)
+    def at_least(self, magnitude: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Positions i with ``magnitude[i] >= threshold`` (int64, ascending; NaN included)."""
+        return self._candidates.at_least(magnitude, threshold)

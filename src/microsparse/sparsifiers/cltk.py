@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from microsparse.comm.collectives import index_dtype
+from microsparse.comm.framing import Framing, Shared
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
 
@@ -23,12 +24,14 @@ class CyclicLocalTopK(Sparsifier):
     """
 
     name = "cltk"
-    exchange = "shared"
     planned = True
 
     def __init__(self, density: float) -> None:
         super().__init__(density)
         self._magnitudes = Magnitudes()
+
+    def framing(self) -> Framing:
+        return Shared()
 
     def empty_plan(self, device: torch.device) -> torch.Tensor:
         return torch.empty(self.target, dtype=index_dtype(self.layout.numel), device=device)

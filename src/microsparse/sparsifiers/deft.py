@@ -7,6 +7,7 @@ import math
 import torch
 
 from microsparse.comm.collectives import index_dtype
+from microsparse.comm.framing import Framing, Padded
 from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
@@ -95,14 +96,16 @@ class Deft(Sparsifier):
     """
 
     name = "deft"
-    exchange = "exclusive"
     planned = True
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        super().bind(layout, rank, world_size)
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        super().bind(layout, rank, world_size, target)
         self._fragments = layer_fragments(layout, world_size)
         self._sizes = [end - start for start, end in self._fragments]
         self._magnitude: torch.Tensor | None = None
+
+    def framing(self) -> Framing:
+        return Padded(self.layout.numel)
 
     def empty_plan(self, device: torch.device) -> torch.Tensor:
         return torch.empty(
@@ -111,7 +114,10 @@ class Deft(Sparsifier):
 
     def make_plan(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         norms = [torch.linalg.vector_norm(accumulated[start:end]) for start, end in self._fragments]
-        k = allocate_k(torch.stack(norms).tolist(), self._sizes, self.target)
+        # A NaN or Inf norm still gets a share (its top-k sends the non-finite value, which the
+        # engine then reports on every rank); it must not break the leader's arithmetic alone.
+        norms = torch.stack(norms).nan_to_num_(nan=math.inf).clamp_(max=torch.finfo().max / 4)
+        k = allocate_k(norms.tolist(), self._sizes, self.target)
         assignment = pack_bins(k, self._sizes, self.world_size)
         return torch.tensor(
             assignment + k, dtype=index_dtype(self.layout.numel), device=accumulated.device

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from microsparse.comm.framing import Dense as DenseFraming
+from microsparse.comm.framing import Framing
 from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
@@ -21,15 +23,16 @@ class Dense(Sparsifier):
     """
 
     name = "dense"
-    exchange = "dense"
 
     def __init__(self, density: float = 1.0) -> None:
         super().__init__(density)
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        super().bind(layout, rank, world_size)
-        self.target = layout.numel
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        super().bind(layout, rank, world_size, layout.numel)
         self._nothing = torch.empty(0, dtype=torch.long)
+
+    def framing(self) -> Framing:
+        return DenseFraming()
 
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         return self._nothing.to(accumulated.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from microsparse.comm.framing import Framing, Padded
 from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
@@ -22,15 +23,17 @@ class HardThreshold(Sparsifier):
     """
 
     name = "hard_threshold"
-    exchange = "union"
 
     def __init__(self, density: float) -> None:
         super().__init__(density)
         self._magnitudes = Magnitudes()
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        super().bind(layout, rank, world_size)
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        super().bind(layout, rank, world_size, target)
         self._threshold = initial_threshold(self.target)
+
+    def framing(self) -> Framing:
+        return Padded(self.layout.numel, union=True)
 
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         return self._magnitudes.at_least(self._magnitudes.of(accumulated), self._threshold)

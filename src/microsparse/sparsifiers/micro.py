@@ -7,10 +7,17 @@ from typing import Any, Literal
 
 import torch
 
+from microsparse.comm.framing import Fixed, Framing, Padded
 from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
-from microsparse.sparsifiers.base import Sparsifier
-from microsparse.sparsifiers.partition import PARTITIONINGS, Segment, owned_partition
+from microsparse.sparsifiers.base import Candidates, Sparsifier
+from microsparse.sparsifiers.largest import LargestFinder
+from microsparse.sparsifiers.partition import (
+    PARTITIONINGS,
+    Segment,
+    owned_partition,
+    segment_positions,
+)
 from microsparse.sparsifiers.threshold import (
     THRESHOLD_RULES,
     QuantileThreshold,
@@ -22,6 +29,7 @@ Partitioning = Literal["interleaved", "contiguous"]
 IndexMessage = Literal["fixed", "padded"]
 Selection = Literal["quota", "threshold"]
 SELECTIONS = ("quota", "threshold")
+INDEX_MESSAGES = ("fixed", "padded")
 
 
 @register_sparsifier
@@ -31,19 +39,16 @@ class Micro(Sparsifier):
     1. The flat vector is cut into n near-equal partitions (``partitioning``).
     2. At step t, rank r owns partition (t + r) mod n: no two ranks select the same
        position, so the union of all selections has exactly K = Σ k_r entries (no build-up).
-    3. Rank r selects by threshold inside its partition (``selection``): one compare over
-       d/n entries, no sort.
+    3. Rank r selects inside its partition (``selection``): no sort over it.
 
     Options:
-        selection: ``"quota"`` (the default unless a ``threshold_rule`` is given): at step t
-            every rank sends exactly its quota q_t of the largest |a| of its partition, the
-            same q_t on every rank: ⌊(t+1)·k/n⌋ − ⌊t·k/n⌋, k/n rounded down or up so that
-            the quotas of steps 0..t sum to ⌊(t+1)·k/n⌋ (the density is exact over time,
-            and each step's K = n·q_t is within n of k). A rank finds its q_t largest with
-            its own histogram of log2|a| (one pass over d/n, no collective), one compare,
-            and a top-k over the few candidates in the edge bins. All ranks send the same
-            count (no imbalance: the index message of ⌈k/n⌉ slots is full or one short), and
-            no histogram all-reduce is needed.
+        selection: ``"quota"`` (the default unless a ``threshold_rule`` is given): k is
+            shared among the partitions, ⌊(j+1)·k/n⌋ − ⌊j·k/n⌋ for the partition whose share
+            index this step is j = (p + t) mod n, so the shares sum to exactly k at every
+            step and rotate, and the owner of each partition sends exactly its share of the
+            largest |a| there. A rank finds them exactly for about one compare over its d/n
+            entries (:mod:`~microsparse.sparsifiers.largest`): no collective, no threshold to
+            carry, and every rank's index message (⌈k/n⌉ slots) is full or one short.
             ``"threshold"`` (the default when a ``threshold_rule`` is given): the paper's
             rule. Every rank sends every position of its partition with |a| >= λ, one λ
             shared by all ranks from ``threshold_rule``, so the counts k_r differ by rank. If
@@ -59,7 +64,7 @@ class Micro(Sparsifier):
             partition holds a slice of every layer and the per-rank counts are balanced.
             ``"contiguous"``: the reference's n contiguous ranges.
         index_message: ``"fixed"`` (default): each rank sends one all-gather message of int32
-            slots that carries its own count and the step's checks, so no separate count
+            slots that carries its own count and the step's check, so no separate count
             round is needed: ⌈k/n⌉ slots with quotas, ``ceil(capacity_factor · k / n) + 8``
             with a shared threshold. If more positions pass the threshold, the largest are
             sent and the rest stay in the residual (``StepStats.proposed − selected`` counts
@@ -81,7 +86,6 @@ class Micro(Sparsifier):
     """
 
     name = "micro"
-    exchange = "exclusive"
 
     def __init__(
         self,
@@ -102,7 +106,7 @@ class Micro(Sparsifier):
         if selection == "quota" and threshold_rule != "quantile":
             raise ValueError(
                 f"threshold_rule={threshold_rule!r} needs selection='threshold': with "
-                "selection='quota' every rank finds its own threshold from its own histogram"
+                "selection='quota' every rank finds its own largest entries"
             )
         if threshold_rule not in THRESHOLD_RULES:
             raise ValueError(
@@ -113,32 +117,45 @@ class Micro(Sparsifier):
             raise ValueError(
                 f"partitioning must be one of {', '.join(PARTITIONINGS)}; got {partitioning!r}"
             )
-        if index_message not in ("fixed", "padded"):
+        if index_message not in INDEX_MESSAGES:
             raise ValueError(f"index_message must be fixed or padded; got {index_message!r}")
-        if not isinstance(capacity_factor, (int, float)) or not 1 <= capacity_factor < math.inf:
+        if (
+            isinstance(capacity_factor, bool)
+            or not isinstance(capacity_factor, (int, float))
+            or not 1 <= capacity_factor < math.inf
+        ):
             raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
         self.selection = selection
         self.threshold_rule = threshold_rule
         self.partitioning = partitioning
         self.index_message = index_message
         self.capacity_factor = float(capacity_factor)
-        self.exchange = "fixed" if index_message == "fixed" else "exclusive"
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        super().bind(layout, rank, world_size)
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        super().bind(layout, rank, world_size, target)
         self._partitions = PARTITIONINGS[self.partitioning](layout.numel, world_size)
-        self._largest = max(self._partitions.size(p) for p in range(world_size))
-        if self.selection == "quota":  # room for the larger of the two quotas q_t takes
+        sizes = [self._partitions.size(p) for p in range(world_size)]
+        self._largest = max(sizes)
+        if self.selection == "quota":  # room for the largest share, ⌈k/n⌉
             self.capacity = min(math.ceil(self.target / world_size), self._largest)
+            self._rule: QuantileThreshold | ThresholdController | None = None
+            self._finder = LargestFinder(max(1, min(sizes)), seed=rank)
         else:
             self.capacity = math.ceil(self.capacity_factor * self.target / world_size) + 8
-        self._rule: QuantileThreshold | ThresholdController = (
-            QuantileThreshold(self.target)
-            if self.threshold_rule == "quantile"
-            else ThresholdController(self.target, self.threshold_rule)
-        )
+            self._rule = (
+                QuantileThreshold(self.target)
+                if self.threshold_rule == "quantile"
+                else ThresholdController(self.target, self.threshold_rule)
+            )
+        self._candidates = Candidates()
         self._scratch: torch.Tensor | None = None
-        self._magnitudes_ready = False
+        self._magnitudes_of_step: int | None = None  # the step whose |a| the scratch holds
+        self._threshold = math.nan
+
+    def framing(self) -> Framing:
+        if self.index_message == "fixed":
+            return Fixed(self.layout.numel, self.capacity)
+        return Padded(self.layout.numel)
 
     def _part(self, step: int) -> int:
         return owned_partition(step, self.rank, self.world_size)
@@ -146,12 +163,30 @@ class Micro(Sparsifier):
     def partition(self, step: int) -> tuple[int, int] | None:
         return self._partitions.range(self._part(step))
 
-    def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor | None:
-        if self.selection == "quota" or not isinstance(self._rule, QuantileThreshold):
-            return None
-        magnitudes = [magnitude for magnitude, _ in self._magnitudes(accumulated, step)]
-        scratch = self._buffers(accumulated)[2]
-        return self._rule.histogram(magnitudes, scratch)
+    def quota(self, step: int) -> int:
+        """What this rank sends at ``step`` with ``selection="quota"``: its partition's share.
+
+        Example:
+            >>> from microsparse.layout import Layout
+            >>> micro = Micro(density=0.001)
+            >>> micro.bind(Layout.of([("w", torch.empty(215_370))]), rank=0, world_size=64)
+            >>> [micro.quota(t) for t in range(6)]  # k / n = 215 / 64 = 3.36
+            [3, 4, 3, 3, 4, 3]
+        """
+        k, n = self.target, self.world_size
+        share = (self._part(step) + step) % n
+        return (share + 1) * k // n - share * k // n
+
+    @property
+    def agrees(self) -> bool:
+        return isinstance(self._rule, QuantileThreshold)
+
+    def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+        assert isinstance(self._rule, QuantileThreshold)
+        magnitude = self._owned_magnitudes(accumulated, step)
+        self._magnitudes_of_step = step
+        logs = self._buffer(accumulated, "_logs")
+        return self._rule.histogram([magnitude], logs)
 
     def adopt_agreement(self, total: torch.Tensor) -> None:
         assert isinstance(self._rule, QuantileThreshold)
@@ -160,92 +195,46 @@ class Micro(Sparsifier):
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         part = self._part(step)
         size = self._partitions.size(part)
+        self._threshold = math.nan if self._rule is None else self._rule.threshold
         if size == 0:  # only when d < n
             return torch.empty(0, dtype=torch.long, device=accumulated.device)
+        if self._magnitudes_of_step == step:  # this step's agreement computed them already
+            magnitude = self._buffer(accumulated, "_scratch")[:size]
+        else:
+            magnitude = self._owned_magnitudes(accumulated, step)
+        self._magnitudes_of_step = None
+        segments = self._partitions.segments(accumulated, part)
         if self.selection == "quota":
-            return self._select_quota(accumulated, step, min(self.quota(step), size))
-        mask = self._buffers(accumulated)[1]
-        chosen = []
-        for magnitude, segment in self._magnitudes(accumulated, step, reuse=True):
-            out = mask[: magnitude.numel()].view_as(magnitude)
-            passed = torch.ge(magnitude, self._rule.threshold, out=out)
-            rows, cols = torch.nonzero(passed, as_tuple=True)
-            chosen.append(segment.positions(rows, cols))
-        positions = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
-        if positions.numel() == 0:
-            return self._fallback(accumulated, part, step % size)
-        return positions
+            quota = min(self.quota(step), size)
+            if quota == 0:
+                return torch.empty(0, dtype=torch.long, device=accumulated.device)
+            chosen = self._finder.largest(magnitude, quota)
+            self._threshold = self._finder.smallest_taken
+            return segment_positions(segments, chosen)
+        assert self._rule is not None
+        chosen = self._candidates.at_least(magnitude, self._rule.threshold)
+        if chosen.numel() == 0:
+            chosen = torch.tensor([step % size], device=accumulated.device)
+        return segment_positions(segments, chosen)
 
-    def quota(self, step: int) -> int:
-        """q_t, what every rank sends at ``step`` with ``selection="quota"``.
-
-        Example:
-            >>> from microsparse.layout import Layout
-            >>> micro = Micro(density=0.001)
-            >>> micro.bind(Layout.of([("w", torch.empty(215_370))]), rank=0, world_size=64)
-            >>> [micro.quota(t) for t in range(6)]  # k / n = 215 / 64 = 3.36
-            [3, 3, 4, 3, 3, 4]
-        """
-        k, n = self.target, self.world_size
-        return (step + 1) * k // n - step * k // n
-
-    def _select_quota(self, accumulated: torch.Tensor, step: int, quota: int) -> torch.Tensor:
-        """The ``quota`` largest |a| of the owned partition (ties: any of them)."""
-        if quota == 0:
-            return torch.empty(0, dtype=torch.long, device=accumulated.device)
-        assert isinstance(self._rule, QuantileThreshold)
-        owned = self._magnitudes(accumulated, step)
-        _, mask, logs = self._buffers(accumulated)
-        histogram = self._rule.histogram([magnitude for magnitude, _ in owned], logs)
-        edge = self._rule.candidate_edge(histogram, quota)
-        chosen, magnitudes = [], []
-        for magnitude, segment in owned:
-            out = mask[: magnitude.numel()].view_as(magnitude)
-            rows, cols = torch.nonzero(torch.ge(magnitude, edge, out=out), as_tuple=True)
-            chosen.append(segment.positions(rows, cols))
-            magnitudes.append(magnitude[rows, cols])
-        candidates = torch.cat(chosen) if len(chosen) > 1 else chosen[0]
-        if candidates.numel() <= quota:  # only when the partition holds no more than that
-            return candidates
-        values = torch.cat(magnitudes) if len(magnitudes) > 1 else magnitudes[0]
-        return candidates.index_select(0, torch.topk(values, quota, sorted=False).indices)
-
-    def _magnitudes(
-        self, accumulated: torch.Tensor, step: int, reuse: bool = False
-    ) -> list[tuple[torch.Tensor, Segment]]:
-        """|a| of each owned segment, in the preallocated buffer.
-
-        With ``reuse``, magnitudes computed by this step's ``agreement`` are taken as they are.
-        """
-        scratch = self._buffers(accumulated)[0]
-        fresh = not (reuse and self._magnitudes_ready)
-        out, offset = [], 0
+    def _owned_magnitudes(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+        """|a| of the owned partition, read segment by segment into the scratch buffer."""
+        scratch = self._buffer(accumulated, "_scratch")
+        offset = 0
+        segment: Segment
         for segment in self._partitions.segments(accumulated, self._part(step)):
-            magnitude = scratch[offset : offset + segment.view.numel()].view_as(segment.view)
-            if fresh:
-                torch.abs(segment.view, out=magnitude)
-            out.append((magnitude, segment))
-            offset += segment.view.numel()
-        self._magnitudes_ready = not reuse
-        return out
+            count = segment.view.numel()
+            torch.abs(segment.view, out=scratch[offset : offset + count].view_as(segment.view))
+            offset += count
+        return scratch[:offset]
 
-    def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Magnitudes, compare mask and log2 magnitudes of the largest partition, made once."""
-        if self._scratch is None:
-            size, device = self._largest, like.device
-            self._scratch = torch.empty(size, dtype=like.dtype, device=device)
-            self._mask = torch.empty(size, dtype=torch.bool, device=device)
-            self._logs = torch.empty(size, dtype=like.dtype, device=device)
-        return self._scratch, self._mask, self._logs
-
-    def _fallback(self, accumulated: torch.Tensor, part: int, index: int) -> torch.Tensor:
-        for segment in self._partitions.segments(accumulated, part):
-            if index < segment.view.numel():
-                row, col = divmod(index, segment.view.shape[1])
-                position = segment.base + row * segment.row_stride + col
-                return torch.tensor([position], dtype=torch.long, device=accumulated.device)
-            index -= segment.view.numel()
-        raise AssertionError("fallback index outside the partition")
+    def _buffer(self, like: torch.Tensor, name: str) -> torch.Tensor:
+        """A buffer as long as the largest partition, made once per name."""
+        buffer = getattr(self, name, None)
+        if buffer is None or buffer.device != like.device:
+            buffer = torch.empty(self._largest, dtype=like.dtype, device=like.device)
+            setattr(self, name, buffer)
+        return buffer
 
     def update(self, selected: int) -> None:
         if isinstance(self._rule, ThresholdController):
@@ -253,19 +242,17 @@ class Micro(Sparsifier):
 
     @property
     def threshold(self) -> float:
-        return self._rule.threshold
+        return self._threshold
 
-    def options(self) -> dict[str, Any]:
-        return {
-            "selection": self.selection,
-            "threshold_rule": self.threshold_rule,
-            "partitioning": self.partitioning,
-            "index_message": self.index_message,
-            "capacity_factor": self.capacity_factor,
-        }
+    def settle(self, threshold: float) -> bool:
+        if not isinstance(self._rule, ThresholdController):
+            return False  # quotas carry no threshold; the quantile rule estimates its own
+        self._rule.threshold = float(threshold)
+        return True
 
     def state_dict(self) -> dict[str, Any]:
-        return self._rule.state_dict()
+        return {} if self._rule is None else self._rule.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._rule.load_state_dict(state)
+        if self._rule is not None:
+            self._rule.load_state_dict(state)

@@ -50,8 +50,30 @@ class Segment(NamedTuple):
     base: int
     row_stride: int
 
-    def positions(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        return rows * self.row_stride + cols + self.base
+    def positions(self, indices: torch.Tensor) -> torch.Tensor:
+        """Flat positions of the entries at ``indices`` of the view read row by row."""
+        width = self.view.shape[1]
+        return torch.div(indices, width, rounding_mode="floor").mul_(self.row_stride).add_(
+            indices % width + self.base
+        )
+
+
+def segment_positions(segments: list[Segment], indices: torch.Tensor) -> torch.Tensor:
+    """Flat positions of ``indices`` into the concatenation of ``segments``, read row by row.
+
+    Example:
+        >>> partitions = InterleavedPartitions(10, parts=2, block=2)
+        >>> segment_positions(partitions.segments(torch.arange(10.0), 0), torch.tensor([0, 3, 5]))
+        tensor([0, 5, 9])
+    """
+    if len(segments) == 1:
+        return segments[0].positions(indices)
+    out, offset = torch.empty_like(indices), 0
+    for segment in segments:
+        inside = (indices >= offset) & (indices < offset + segment.view.numel())
+        out[inside] = segment.positions(indices[inside] - offset)
+        offset += segment.view.numel()
+    return out
 
 
 class ContiguousPartitions:

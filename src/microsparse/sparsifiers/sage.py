@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from microsparse.comm.framing import Framing, Padded
 from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
@@ -48,7 +49,6 @@ class Sage(Sparsifier):
     """
 
     name = "sage"
-    exchange = "union"
 
     def __init__(self, density: float, sample_size: int | None = None, seed: int = 0) -> None:
         super().__init__(density)
@@ -58,14 +58,17 @@ class Sage(Sparsifier):
         self.seed = int(seed)
         self._magnitudes = Magnitudes()
 
-    def bind(self, layout: Layout, rank: int, world_size: int) -> None:
-        super().bind(layout, rank, world_size)
+    def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:
+        super().bind(layout, rank, world_size, target)
         self._samples = self.sample_size or slovin_sample_size(layout.numel)
         self._threshold = initial_threshold(self.target)
         self._previous_mean: float | None = None
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None
         self._factors = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0, "examined_density": math.nan}
+
+    def framing(self) -> Framing:
+        return Padded(self.layout.numel, union=True)
 
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         magnitude = self._magnitudes.of(accumulated)
@@ -74,10 +77,9 @@ class Sage(Sparsifier):
             self._factors["sample_mean"] = mean.item()
         else:
             alpha = mean / self._previous_mean if self._previous_mean > 0 else torch.ones_like(mean)
-            examined = self._magnitudes.count_at_least(magnitude, self._threshold * alpha)
-            # One host sync for both scalars; λ·α above used exactly these float64 values.
-            sample_mean, alpha_value, count = torch.stack([mean, alpha, examined.double()]).tolist()
-            self._rescale(sample_mean, alpha_value, count / self.layout.numel)
+            sample_mean, alpha_value = torch.stack([mean, alpha]).tolist()
+            examined = self._magnitudes.count_at_least(magnitude, self._threshold * alpha_value)
+            self._rescale(sample_mean, alpha_value, examined / self.layout.numel)
         self._previous_mean = self._factors["sample_mean"]
         return self._magnitudes.at_least(magnitude, self._threshold)
 
@@ -110,11 +112,12 @@ class Sage(Sparsifier):
     def threshold(self) -> float:
         return self._threshold
 
+    def settle(self, threshold: float) -> bool:
+        self._threshold = float(threshold)
+        return True
+
     def report(self) -> dict[str, float]:
         return dict(self._factors)
-
-    def options(self) -> dict[str, Any]:
-        return {"sample_size": self.sample_size, "seed": self.seed}
 
     def state_dict(self) -> dict[str, Any]:
         generator = self._generator.get_state() if self._generator is not None else None

@@ -160,40 +160,6 @@ class QuantileThreshold:
             fraction = (upper - k) / upper
         self.threshold = 2.0 ** (low + (j + fraction) * width)
 
-    def candidate_edge(self, histogram: torch.Tensor, count: int) -> float:
-        """A magnitude with at least ``count`` histogrammed entries at or above it, and few more.
-
-        For selecting exactly ``count`` entries from one rank's own histogram: the lower edge
-        of the bin *below* the one that holds the ``count``-th largest, so that an entry
-        rounding across a bin edge can never leave fewer than ``count`` candidates. Returns
-        0.0 (take every entry) when the range holds fewer than ``count``. Moves ``threshold``
-        to the ``count``-th largest's bin, centring the next step's range (by at most
-        ``octaves`` when the count lies outside it).
-
-        Example:
-            >>> import torch
-            >>> _ = torch.manual_seed(0)
-            >>> magnitudes = torch.empty(100_000).exponential_()
-            >>> estimator = QuantileThreshold(target=100)
-            >>> estimator.threshold = 5.0
-            >>> edge = estimator.candidate_edge(
-            ...     estimator.histogram([magnitudes], torch.empty(100_000)), 100)
-            >>> int((magnitudes >= edge).sum())  # candidates for the 100 largest
-            121
-        """
-        low, high = self._range()
-        width = (high - low) / self.bins
-        above = self._above(histogram)
-        if above[self.bins - 1] >= count:  # the (clamped) top bin holds them all: rise
-            self.threshold = 2.0**high
-            return 2.0 ** (high - 2 * width)
-        if above[1] < count:  # the range starts above the count-th largest: fall
-            self.threshold = 2.0**low
-            return 0.0
-        j = max(i for i in range(1, self.bins) if above[i] >= count)
-        self.threshold = 2.0 ** (low + j * width)
-        return 2.0 ** (low + (j - 1) * width)
-
     def state_dict(self) -> dict[str, float]:
         return {"threshold": self.threshold}
 

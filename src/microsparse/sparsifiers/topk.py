@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from microsparse.comm.framing import Framing, Padded
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
 
@@ -21,11 +22,13 @@ class TopK(Sparsifier):
     """
 
     name = "topk"
-    exchange = "union"
 
     def __init__(self, density: float) -> None:
         super().__init__(density)
         self._magnitudes = Magnitudes()
+
+    def framing(self) -> Framing:
+        return Padded(self.layout.numel, union=True)
 
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         magnitude = self._magnitudes.of(accumulated)

@@ -41,6 +41,8 @@ class TrainConfig:
     density: float = 0.001
     threshold_rule: str | None = None  # None: the sparsifier's own default
     selection: str | None = None  # MiCRO's "quota" or "threshold"; None: its own default
+    partitioning: str | None = None  # MiCRO's "interleaved" or "contiguous"; None: its own
+    index_message: str | None = None  # MiCRO's "fixed" or "padded"; None: its own default
     # The recipe (None: the task's).
     epochs: int | None = None
     batch_size: int | None = None  # per worker
@@ -69,7 +71,12 @@ class TrainConfig:
     capture_steps: int = 0  # capture steps 0 .. capture_steps - 1
 
     def sparsifier_options(self) -> dict[str, Any]:
-        given = {"threshold_rule": self.threshold_rule, "selection": self.selection}
+        given = {
+            "selection": self.selection,
+            "threshold_rule": self.threshold_rule,
+            "partitioning": self.partitioning,
+            "index_message": self.index_message,
+        }
         return {key: value for key, value in given.items() if value is not None}
 
     @property

@@ -175,10 +175,7 @@ class Averaging:
         if self._reducer is not None:
             return self._reducer.sparsifier.options()
         assert self._state is not None
-        return {
-            "threshold_rule": self._state.threshold_rule,
-            "capacity_factor": self._state.capacity_factor,
-        }
+        return self._state.options
 
     def state_dict(self) -> dict[str, Any]:
         source = self._reducer if self._reducer is not None else self._state

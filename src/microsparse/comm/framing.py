@@ -1,0 +1,272 @@
+"""How the selected positions travel: the index message of one step, framed four ways.
+
+Every rank proposes positions; a framing turns them into the collectives that let every rank
+learn all positions, and back into one position list that is identical on every rank:
+
+- :class:`Padded`: the reference's way. An all-gather of ``[step, count]`` headers, then of
+  the indices, each rank's padded to the largest count (gloo's all-gather needs equal sizes).
+  With ``union=True`` the positions are deduplicated (sparsifiers whose picks may overlap).
+- :class:`Fixed`: one all-gather of a fixed-capacity message that carries its own header
+  (count, step, proposals): one round instead of two. A rank with more proposals than slots
+  sends its largest and keeps the rest in the residual.
+- :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
+  step is checked.
+- :class:`Dense`: no indices; every entry is averaged.
+
+Each framing also lists its collectives for a message of a given size
+(:meth:`Framing.collectives`), which is all the cost model needs. The step's header check
+lives here too: a rank at another step raises ``ConfigMismatchError`` on every rank, because
+the header of every rank reaches every rank in the same round.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from microsparse.comm.collectives import Collective, Kind, check_steps, index_dtype
+from microsparse.errors import ConfigMismatchError
+
+Exchange = Generator[Collective, torch.Tensor, "Exchanged"]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What one rank brings to the index exchange of one step."""
+
+    local: torch.Tensor
+    """Positions this rank proposes (int64, distinct)."""
+    accumulated: torch.Tensor
+    """The flat accumulated gradient a (to keep the largest when a message is full)."""
+    step: int
+    counts: list[int] | None = None
+    """Every rank's count, when a leader's plan already fixed them (and checked the step)."""
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What the index exchange gave: identical on every rank except ``local_selected``."""
+
+    positions: torch.Tensor
+    """All positions to average (int64), identical on every rank."""
+    local_selected: int
+    """Positions this rank sent."""
+    message_slots: int
+    """Indices per rank in the index message (the largest count, or the fixed capacity)."""
+    proposed: int
+    """Σ_r of every rank's proposals, before deduplication or the capacity cut."""
+    local_proposed: int
+    """This rank's proposals, before the capacity cut."""
+
+
+class Framing(ABC):
+    """One way to frame the index message; see the module docstring."""
+
+    name: ClassVar[str]
+    header_slots: ClassVar[int] = 0
+    """Index slots of the message that carry its header instead of positions."""
+
+    @abstractmethod
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        """Yield the collectives that share ``proposal``; return what they gave."""
+
+    @classmethod
+    @abstractmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        """(kind, bytes per rank's message) of the index exchange, for ``slots`` indices per
+        rank (the largest count, or the capacity); ``counts_known`` when a plan fixed them."""
+
+
+class _Positions:
+    """Decodes (n, slots) index rows with a count per rank into one position list."""
+
+    def __init__(self) -> None:
+        self._slot = torch.empty(0, dtype=torch.long)
+
+    def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        n, slots = rows.shape
+        if slots == 0:
+            return torch.empty(0, dtype=torch.long, device=rows.device)
+        if all(count == slots for count in counts):
+            return rows.reshape(-1).long()
+        if self._slot.numel() < slots or self._slot.device != rows.device:
+            self._slot = torch.arange(max(slots, 2 * self._slot.numel()), device=rows.device)
+        limits = torch.tensor(counts, device=rows.device).unsqueeze(1)
+        return rows[self._slot[:slots].unsqueeze(0) < limits].long()
+
+
+def _count_header(proposal: Proposal) -> Generator[Collective, torch.Tensor, list[int]]:
+    """All-gather ``[step, count]`` of every rank: check the steps, return the counts."""
+    header = torch.tensor([proposal.step, proposal.local.numel()], device=proposal.local.device)
+    rows = (yield Collective("all_gather", header, "header")).tolist()
+    check_steps([row[0] for row in rows])
+    return [row[1] for row in rows]
+
+
+class Padded(Framing):
+    """Header round, then indices padded to the largest count; ``union`` deduplicates.
+
+    Example:
+        >>> Padded.collectives(slots=300, index_bytes=4)
+        [('all_gather', 16), ('all_gather', 1200)]
+    """
+
+    name = "padded"
+
+    def __init__(self, numel: int, union: bool = False) -> None:
+        self.union = union
+        self.dtype = index_dtype(numel)
+        self._message = torch.empty(0, dtype=self.dtype)
+        self._decoder = _Positions()
+
+    @property
+    def label(self) -> str:
+        return "union" if self.union else self.name
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        local = proposal.local
+        counts = proposal.counts
+        if counts is None:
+            counts = yield from _count_header(proposal)
+        longest = max(counts)
+        message = self._buffer(longest, local.device)
+        message[: local.numel()] = local
+        message[local.numel() :] = 0  # what is not a position must not leak
+        rows = yield Collective("all_gather", message, "indices")
+        positions = self._decoder.decode(rows, counts)
+        if self.union:
+            positions = torch.unique(positions, sorted=True)
+        return Exchanged(positions, local.numel(), longest, sum(counts), local.numel())
+
+    def _buffer(self, length: int, device: torch.device) -> torch.Tensor:
+        if self._message.numel() < length or self._message.device != device:
+            self._message = torch.empty(max(length, 2 * self._message.numel()),
+                                        dtype=self.dtype, device=device)  # fmt: skip
+        return self._message[:length]
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        header: list[tuple[Kind, float]] = [] if counts_known else [("all_gather", 2 * 8)]
+        return header + [("all_gather", slots * index_bytes)] if slots else header
+
+
+class Fixed(Framing):
+    """One all-gather of ``header_slots + capacity`` slots per rank, header included.
+
+    The capacity is the same at every step: a rank whose step counter disagrees must still
+    meet the others in an equal-sized all-gather, so that the header can report the
+    disagreement instead of gloo aborting.
+
+    Example:
+        >>> Fixed.collectives(slots=100, index_bytes=4)   # 3 header slots + 100 indices
+        [('all_gather', 412)]
+    """
+
+    name = "fixed"
+    label = "fixed"
+    header_slots = 3  # count, step, proposals
+    _COUNT, _STEP, _PROPOSED = 0, 1, 2
+
+    def __init__(self, numel: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.dtype = index_dtype(numel)
+        self._message: torch.Tensor | None = None
+        self._decoder = _Positions()
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        local, accumulated = proposal.local, proposal.accumulated
+        proposed = local.numel()
+        if proposed > self.capacity:  # keep the largest; the rest waits in the residual
+            keep = torch.topk(accumulated.index_select(0, local).abs_(), self.capacity).indices
+            local = local.index_select(0, keep)
+        head = self.header_slots
+        if self._message is None or self._message.device != local.device:
+            self._message = torch.empty(head + self.capacity, dtype=self.dtype,
+                                        device=local.device)  # fmt: skip
+        message = self._message
+        message[self._COUNT] = local.numel()
+        message[self._STEP] = proposal.step
+        message[self._PROPOSED] = proposed
+        message[head : head + local.numel()] = local
+        message[head + local.numel() :] = 0  # what is not a position must not leak
+        rows = yield Collective("all_gather", message, "indices")
+        header = rows[:, :head].tolist()
+        check_steps([row[self._STEP] for row in header])
+        counts = [row[self._COUNT] for row in header]
+        positions = self._decoder.decode(rows[:, head:], counts)
+        proposals = sum(row[self._PROPOSED] for row in header)
+        return Exchanged(positions, local.numel(), self.capacity, proposals, proposed)
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        return [("all_gather", (cls.header_slots + slots) * index_bytes)]
+
+
+class Shared(Framing):
+    """Every rank holds the same positions; a header round checks the step unless a plan did.
+
+    Example:
+        >>> Shared.collectives(slots=0, index_bytes=4, counts_known=True)
+        []
+    """
+
+    name = "shared"
+    label = "shared"
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        local = proposal.local
+        counts = proposal.counts
+        if counts is None:
+            counts = yield from _count_header(proposal)
+        if len(set(counts)) > 1:
+            raise ConfigMismatchError(
+                f"the ranks must select the same positions, but their counts are {counts}"
+            )
+        return Exchanged(local, local.numel(), local.numel(), local.numel(), local.numel())
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        return [] if counts_known else [("all_gather", 2 * 8)]
+
+
+class Dense(Framing):
+    """No indices: a header round checks the step; then every entry is averaged.
+
+    Example:
+        >>> Dense.collectives(slots=0, index_bytes=4)
+        [('all_gather', 8)]
+    """
+
+    name = "dense"
+    label = "dense"
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        header = torch.tensor([proposal.step], device=proposal.accumulated.device)
+        rows = (yield Collective("all_gather", header, "header")).tolist()
+        check_steps([row[0] for row in rows])
+        numel = proposal.accumulated.numel()
+        return Exchanged(proposal.local, numel, 0, numel, numel)
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        return [("all_gather", 8)]
+
+
+FRAMINGS: dict[str, type[Framing]] = {
+    "padded": Padded, "union": Padded, "fixed": Fixed, "shared": Shared, "dense": Dense,
+}  # fmt: skip
+"""Framing classes by the label ``StepStats.exchange`` reports."""

@@ -1,0 +1,316 @@
+"""Slabs: the groups of parameters the DDP hook averages as one vector each.
+
+A slab is what ``GradientReducer`` averages for the whole model: a flat vector of parameters
+with its residual, its sparsifier and its :class:`~microsparse.engine.SparseStep`. In the hook
+the slabs follow DDP's buckets, so each bucket's exchange starts as soon as DDP hands it over
+and overlaps the rest of the backward pass.
+
+DDP regroups parameters into new buckets after its first iteration (its second with
+``static_graph=True``). State keyed by ``bucket.index()`` would then attach one layer's
+residual to another; here every parameter's residual moves with it into its new slab. A state
+restored from a checkpoint keeps the saved slabs for its first pass, whatever DDP's first
+buckets are (a slab may then span several buckets, or a bucket hold several slabs), so a
+resumed run selects exactly what the uninterrupted one did.
+
+Each slab's share of k is cut from the model-wide target by its offset in the pass, so the
+slabs of a pass select k entries in all: k_s = ⌊δ(o_s + d_s)⌋ − ⌊δ·o_s⌋ (at least 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from microsparse.engine import FlatOutput, SparseStep
+from microsparse.feedback import ErrorFeedback
+from microsparse.layout import Layout
+from microsparse.sparsifiers import Sparsifier
+
+
+def slab_target(density: float, offset: int, numel: int) -> int:
+    """k_s of a slab of ``numel`` entries after ``offset`` entries of earlier slabs.
+
+    Example:
+        >>> [slab_target(0.001, offset, 700) for offset in (0, 700, 1400)]  # δ·d = 2.1 in all
+        [1, 1, 1]
+        >>> sum(slab_target(0.01, o, 300) for o in range(0, 3000, 300))  # ⌊0.01 · 3000⌋
+        30
+    """
+    return max(1, math.floor(density * (offset + numel)) - math.floor(density * offset))
+
+
+class Slab:
+    """Parameters averaged as one flat vector, with their residual and engine."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        sparsifier: Sparsifier,
+        offset: int,
+        rank: int,
+        world_size: int,
+        value_dtype: torch.dtype | None,
+    ) -> None:
+        self.params = tuple(params)
+        self.indices = tuple(indices)
+        """Each parameter's place in the order the state first met them (for checkpoints)."""
+        self.layout = Layout.of([(f"parameter {i}", p) for i, p in zip(self.indices, params)])
+        target = slab_target(sparsifier.density, offset, self.layout.numel)
+        sparsifier.bind(self.layout, rank, world_size, target)
+        dtype = torch.promote_types(torch.float32, params[0].dtype)
+        for p in params:
+            dtype = torch.promote_types(dtype, p.dtype)
+        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device)
+        self.engine = SparseStep(sparsifier, self.feedback, value_dtype)
+
+    @property
+    def sparsifier(self) -> Sparsifier:
+        return self.engine.sparsifier
+
+
+@dataclass
+class Job:
+    """One slab's step of one pass: where its gradient is and where the average goes."""
+
+    slab: Slab
+    key: object
+    """Names the slab in this pass (the buckets holding its parameters wait for it)."""
+    fresh: torch.Tensor | list[torch.Tensor]
+    output: FlatOutput | PiecesOutput
+    buckets: list[int]
+    """Indices (in this pass) of the buckets holding its parameters."""
+    exclude: list[tuple[int, int]] = field(default_factory=list)
+    """Slab ranges of parameters this rank did not use this pass: not proposed."""
+
+
+class PiecesOutput:
+    """The average of a slab whose parameters lie in several DDP buckets (or share one)."""
+
+    def __init__(self, views: Sequence[torch.Tensor], layout: Layout) -> None:
+        self._views = list(views)
+        self._layout = layout
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        for view, offset, size in zip(self._views, self._layout.offsets, self._layout.sizes):
+            flat = view.view(-1)
+            flat.zero_()
+            inside = (positions >= offset) & (positions < offset + size)
+            flat.index_copy_(0, positions[inside] - offset, values[inside].to(flat.dtype))
+
+    def dense(self, fresh: object) -> torch.Tensor:
+        raise NotImplementedError("dense slabs always follow DDP's buckets one to one")
+
+
+class _Arrived:
+    """Where each parameter's gradient is in this pass: (bucket number, flat view)."""
+
+    def __init__(self) -> None:
+        self.where: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def add(self, bucket_number: int, params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            self.where[id(p)] = (bucket_number, buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+
+class Slabs:
+    """Which slab each parameter is in, following DDP's buckets; see the module docstring.
+
+    ``make_sparsifier`` builds a fresh, unbound sparsifier for a new slab.
+    """
+
+    def __init__(
+        self,
+        make_sparsifier: Callable[[], Sparsifier],
+        rank: int,
+        world_size: int,
+        value_dtype: torch.dtype | None,
+    ) -> None:
+        self._make = make_sparsifier
+        self.rank = rank
+        self.world_size = world_size
+        self.value_dtype = value_dtype
+        self.order: list[torch.Tensor] = []
+        """Parameters in the order first met: on a fresh DDP model fixed by its definition."""
+        self._index: dict[int, int] = {}
+        self._slab_of: dict[int, Slab] = {}
+        self.residuals: dict[int, torch.Tensor] = {}
+        """Every parameter's residual (by ``id``): a view into its slab's."""
+        self._used_in: dict[int, int] = {}
+        self._met_in: dict[int, int] = {}
+        self._pass = 0
+        self._restored: _Saved | None = None
+        self._saved_residuals: list[torch.Tensor] | None = None
+        self._begin_pass()
+
+    # ---- one pass ---------------------------------------------------------------------
+
+    def _begin_pass(self) -> None:
+        self._arrived = _Arrived()
+        self._started: set[int] = set()
+        self._offset = 0  # entries of the slabs started so far in this pass
+        self._buckets = 0
+
+    def end_pass(self) -> None:
+        self._pass += 1
+        self._restored = None  # the saved slabs held for the first pass only
+        self._begin_pass()
+
+    def arrive(
+        self, params: Sequence[torch.Tensor], buffer: torch.Tensor
+    ) -> tuple[list[Job], set[object]]:
+        """DDP handed over a bucket: the jobs of the slabs that now have all their gradients
+        (in an order that is the same on every rank), and the keys of the slabs the bucket
+        must wait for."""
+        number = self._buckets
+        self._buckets += 1
+        for p in params:
+            self._meet(p)
+        self._arrived.add(number, params, buffer)
+        if self._restored is None:
+            key = tuple(id(p) for p in params)
+            slab = self._slab_of.get(key[0])
+            if slab is None or tuple(id(p) for p in slab.params) != key:
+                slab = self._new_slab(params)
+            return [self._job(slab, id(slab), whole=buffer)], {id(slab)}
+        saved = self._restored
+        waiting: set[object] = {
+            ("saved", saved.slab_of[self._index[id(p)]])
+            for p in params
+            if self._index[id(p)] in saved.slab_of
+        }
+        jobs = [self._job(slab, ("saved", n)) for n, slab in self._ready_restored_slabs()]
+        return jobs, waiting
+
+    def _job(self, slab: Slab, key: object, whole: torch.Tensor | None = None) -> Job:
+        self._started.add(id(slab))
+        self._offset += slab.layout.numel
+        where = [self._arrived.where[id(p)] for p in slab.params]
+        buckets = sorted({number for number, _ in where})
+        exclude = [
+            (offset, offset + size)
+            for p, offset, size in zip(slab.params, slab.layout.offsets, slab.layout.sizes)
+            if not self._used(p)
+        ]
+        if whole is not None:
+            return Job(slab, key, whole, FlatOutput(whole), buckets, exclude)
+        views = [view for _, view in where]
+        return Job(slab, key, views, PiecesOutput(views, slab.layout), buckets, exclude)
+
+    # ---- parameters and slabs ---------------------------------------------------------
+
+    def _meet(self, param: torch.Tensor) -> None:
+        if id(param) in self._index:
+            return
+        index = len(self.order)
+        self._index[id(param)] = index
+        self._met_in[id(param)] = self._pass
+        self.order.append(param)
+        saved = self._saved_residuals
+        if saved is not None:
+            if index >= len(saved) or saved[index].numel() != param.numel():
+                raise ValueError(
+                    "load_state_dict: the checkpoint's residuals do not match this model's "
+                    f"parameters (parameter {index} has {param.numel()} elements); restore into "
+                    "the same model definition, before its first backward pass"
+                )
+            self.residuals[id(param)] = saved[index].reshape(-1)
+        # Marks the pass in which autograd gave the parameter a gradient on this rank; it runs
+        # before DDP's own hook for it. Unused parameters (find_unused_parameters=True) are then
+        # not proposed: DDP drops their average, which would lose what their residual sent.
+        param.register_post_accumulate_grad_hook(self._mark_used)
+
+    def _mark_used(self, param: torch.Tensor) -> None:
+        self._used_in[id(param)] = self._pass
+
+    def _used(self, param: torch.Tensor) -> bool:
+        """Whether autograd gave ``param`` a gradient on this rank in this pass."""
+        if self._met_in[id(param)] < self._pass:
+            return self._used_in.get(id(param)) == self._pass
+        return param.grad is not None  # met in this pass, before its hook could mark it
+
+    def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
+        indices = [self._index[id(p)] for p in params]
+        slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
+                    self.value_dtype)  # fmt: skip
+        for p, view in zip(params, slab.feedback.views):
+            view = view.view(-1)
+            previous = self.residuals.get(id(p))
+            if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along
+                view.copy_(previous)
+            self.residuals[id(p)] = view
+            self._slab_of[id(p)] = slab
+        return slab
+
+    def _ready_restored_slabs(self) -> list[tuple[int, Slab]]:
+        saved = self._restored
+        assert saved is not None
+        ready = []
+        for number, definition in enumerate(saved.slabs):
+            if number in saved.built or not all(
+                i < len(self.order) and id(self.order[i]) in self._arrived.where
+                for i in definition
+            ):
+                continue
+            slab = self._new_slab([self.order[i] for i in definition])
+            if saved.states[number]:  # {}: a sparsifier that carries nothing (or a fresh one)
+                slab.sparsifier.load_state_dict(saved.states[number])
+            saved.built.add(number)
+            ready.append((number, slab))
+        return ready
+
+    @property
+    def slabs(self) -> list[Slab]:
+        """The current slabs, in the order of their first parameter."""
+        unique = {id(slab): slab for slab in self._slab_of.values()}
+        return sorted(unique.values(), key=lambda slab: slab.indices[0])
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def state(self) -> dict[str, object]:
+        slabs = self.slabs
+        return {
+            "residuals": [self.residuals[id(p)].detach().clone() for p in self.order],
+            "slabs": [list(slab.indices) for slab in slabs],
+            "states": [slab.sparsifier.state_dict() for slab in slabs],
+        }
+
+    def restore(self, state: dict[str, object]) -> None:
+        """Take a :meth:`state`; the parameters are matched in the order they are met."""
+        if self.order:
+            raise RuntimeError("load_state_dict must be called before the first backward pass")
+        definitions = [list(slab) for slab in state["slabs"]]  # type: ignore[attr-defined]
+        slab_of = {index: number for number, slab in enumerate(definitions) for index in slab}
+        saved = _Saved(list(state["residuals"]), definitions,  # type: ignore[call-overload]
+                       list(state["states"]), slab_of, set())  # type: ignore[call-overload]  # fmt: skip
+        self._saved_residuals = saved.residuals
+        self._restored = saved if saved.slabs else None
+
+    def check_complete(self) -> None:
+        """At the end of a restored pass: every parameter must have been in a saved slab."""
+        if self._restored is None:
+            return
+        missing = [self._index[key] for key in self._arrived.where if key not in self._slab_of]
+        if missing or len(self._restored.built) < len(self._restored.slabs):
+            raise ValueError(
+                "load_state_dict: the checkpoint's slabs do not match this model's parameters "
+                f"(parameters {missing[:10]} are in none of them); restore into the same model "
+                "definition"
+            )
+
+
+@dataclass
+class _Saved:
+    """A restored state's slabs, kept for the first pass."""
+
+    residuals: list[torch.Tensor]
+    slabs: list[list[int]]
+    """Each slab as the meeting indices of its parameters."""
+    states: list[dict]
+    slab_of: dict[int, int]
+    built: set[int]

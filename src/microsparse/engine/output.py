@@ -1,0 +1,115 @@
+"""Where a step writes the averaged gradient: a flat tensor, or every ``p.grad`` of a model.
+
+The average is sparse: K of d entries are non-zero. Writing it must not cost a dense pass when
+it need not: :class:`GradientOutput` keeps one flat buffer whose views are the parameters'
+gradients, clears only the previous step's K positions, and falls back to one zeroing pass
+only when something else wrote into the gradients in between (which the buffer's version
+counter shows: autograd accumulating into them, ``zero_grad(set_to_none=False)``, clipping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from microsparse.feedback import Fresh
+from microsparse.layout import FlatVector, Layout
+
+
+class FlatOutput:
+    """A flat tensor that receives the average (a DDP bucket's buffer), zeroed every step.
+
+    Example:
+        >>> out = FlatOutput(torch.full((5,), 9.0))
+        >>> out.write(torch.tensor([1, 3]), torch.tensor([0.5, -1.0]))
+        >>> out.data.tolist()
+        [0.0, 0.5, 0.0, -1.0, 0.0]
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self.data.zero_()
+        self.data.index_copy_(0, positions, values.to(self.data.dtype))
+
+    def dense(self, fresh: Fresh) -> torch.Tensor:
+        if fresh is not self.data:
+            raise ValueError("a flat output averages its own tensor: pass it as the gradient")
+        return self.data
+
+
+class GradientOutput:
+    """Every parameter's ``p.grad`` as a view of one flat buffer, rewritten in O(K).
+
+    Parameters whose dtype differs from the buffer's (a model mixing dtypes) get a copy
+    instead of a view.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> out = GradientOutput([w], Layout.of([("w", w)]))
+        >>> out.write(torch.tensor([3]), torch.tensor([1.5]))
+        >>> w.grad.tolist()
+        [[0.0, 0.0], [0.0, 1.5]]
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], layout: Layout) -> None:
+        dtypes = {p.dtype for p in params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self._params = list(params)
+        self._buffer = FlatVector(layout, dtype, params[0].device)
+        self.data = self._buffer.data
+        self._written = torch.empty(0, dtype=torch.long, device=self.data.device)
+        self._version = self.data._version
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        data = self.data
+        if data._version == self._version:  # untouched since our last write: clear those only
+            data.index_fill_(0, self._written, 0)
+        else:
+            data.zero_()
+        data.index_copy_(0, positions, values.to(data.dtype))
+        self._written = positions
+        self._attach()
+        self._version = data._version
+
+    def dense(self, fresh: Fresh) -> torch.Tensor:
+        if isinstance(fresh, torch.Tensor):
+            self.data.copy_(fresh)
+        else:
+            for view, gradient in zip(self._buffer.views, fresh):
+                if gradient is None:
+                    view.zero_()
+                elif gradient is not view:
+                    view.copy_(gradient)
+        self._attach()
+        self._version = -1  # every entry written: a sparse write must zero the whole buffer
+        return self.data
+
+    def _attach(self) -> None:
+        for param, view in zip(self._params, self._buffer.views):
+            if param.grad is view:
+                continue
+            if view.dtype == param.dtype:
+                param.grad = view
+            elif param.grad is None:
+                param.grad = view.to(param.dtype)
+            else:
+                param.grad.copy_(view)
+
+
+class DiscardOutput:
+    """Writes nothing: for simulations that need residuals and counts, not the average.
+
+    Example:
+        >>> DiscardOutput().write(torch.tensor([0]), torch.tensor([1.0]))
+    """
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        pass
+
+    def dense(self, fresh: Fresh) -> torch.Tensor:
+        if not isinstance(fresh, torch.Tensor):
+            raise ValueError("a discarded dense average needs a flat gradient")
+        return fresh

@@ -1,0 +1,297 @@
+"""One sparse averaging step over one slab, written once for every driver.
+
+A *slab* is a flat vector of parameters (the whole model for ``GradientReducer``, one group
+of DDP's buckets for the hook) with its error-feedback residual. :meth:`SparseStep.run` is the
+whole protocol of one step, top to bottom:
+
+1. **compensate**: add the fresh gradients into the residual in place, a = e + g;
+2. **pre-selection round**, if the sparsifier asks for one: a leader's plan (header check,
+   then a broadcast) or an all-ranks sum such as MiCRO's threshold histogram;
+3. **select**: the sparsifier proposes this rank's positions;
+4. **index exchange**: the sparsifier's framing (``microsparse.comm.framing``) makes every
+   rank learn all positions, checking that every rank is at the same step;
+5. **values**: gather a at those positions (rounded to the wire dtype if asked, the rounding
+   kept in the residual), forget them locally (the new residual), all-reduce;
+6. **finish**: check the sum is finite (a NaN or Inf that any rank sent shows in it on every
+   rank), divide by n, write the sparse average, tell the sparsifier the global count.
+
+It never calls ``torch.distributed``. It *yields* each collective as a
+:class:`~microsparse.comm.Collective` request and is sent the result, so one protocol serves
+a blocking driver (:func:`run_blocking`, used by ``GradientReducer``), a future-chain driver
+(the DDP hook) and in-process drivers (the simulator and the benchmarks).
+
+Example:
+    >>> import torch
+    >>> from microsparse.comm import ProcessGroupCollectives
+    >>> from microsparse.engine.output import FlatOutput
+    >>> from microsparse.feedback import ErrorFeedback
+    >>> from microsparse.layout import Layout
+    >>> from microsparse.sparsifiers import create_sparsifier
+    >>> layout = Layout.of([("w", torch.zeros(1000))])
+    >>> sparsifier = create_sparsifier("micro", 0.01)
+    >>> sparsifier.bind(layout, rank=0, world_size=1)
+    >>> engine = SparseStep(sparsifier, ErrorFeedback(layout, torch.float32, torch.device("cpu")))
+    >>> gradient, output = torch.randn(1000), FlatOutput(torch.zeros(1000))
+    >>> report = run_blocking(engine.run(0, gradient, output), ProcessGroupCollectives())
+    >>> report.selected, int((output.data != 0).sum())   # the 10 largest were sent
+    (10, 10)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from microsparse.comm.collectives import Collective, Collectives, check_steps
+from microsparse.comm.framing import Dense, Proposal
+from microsparse.errors import NonFiniteGradientError
+from microsparse.feedback import ErrorFeedback, Fresh, any_nonfinite
+from microsparse.sparsifiers import Sparsifier
+
+Protocol_ = Generator[Collective, torch.Tensor, "StepReport"]
+
+
+class Output(Protocol):
+    """Where a step writes the averaged gradient (``microsparse.engine.output``)."""
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Make the output the sparse vector with ``values`` at ``positions``, zero elsewhere."""
+
+    def dense(self, fresh: Fresh) -> torch.Tensor:
+        """The fresh gradient as one flat tensor that *is* the output (averaged in place)."""
+
+
+@dataclass
+class StepReport:
+    """What one step of one slab selected, sent and cost (local times only)."""
+
+    selected: int
+    local_selected: int
+    message_slots: int
+    proposed: int
+    bytes_sent: int
+    threshold: float
+    select_seconds: float
+    """Local work up to the end of selection (compensation, plan or agreement, selection)."""
+    finish_seconds: float
+    """Local work after selection (framing, decoding, gathering, writing), no waiting."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    partition: tuple[int, int] | None = None
+    local_proposed: int = 0
+    """This rank's proposals before a fixed message's capacity cut them."""
+    message_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes of this rank's message in each kind of request (``Collective.what``)."""
+
+
+class SparseStep:
+    """The protocol of one step over one slab; see the module docstring.
+
+    Args:
+        sparsifier: a registry sparsifier, already bound to the slab's layout.
+        feedback: the slab's residual.
+        value_dtype: send the selected values as this dtype (``torch.float16`` or
+            ``torch.bfloat16``); each rank's rounding error stays in its residual.
+    """
+
+    def __init__(
+        self,
+        sparsifier: Sparsifier,
+        feedback: ErrorFeedback,
+        value_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.sparsifier = sparsifier
+        self.framing = sparsifier.framing()
+        self.feedback = feedback
+        self.value_dtype = value_dtype
+        self.rank = sparsifier.rank
+        self.world_size = sparsifier.world_size
+
+    def run(
+        self,
+        step: int,
+        fresh: Fresh,
+        output: Output,
+        exclude: Sequence[tuple[int, int]] = (),
+    ) -> Protocol_:
+        """The requests of step ``step``; returns its :class:`StepReport`.
+
+        ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none).
+        ``exclude`` lists ranges [start, end) of the slab this rank must not propose (the
+        parameters it did not use, whose average DDP would drop); a leader's plan, which fixes
+        every rank's count, is followed as it is.
+        """
+        if isinstance(self.framing, Dense):
+            return (yield from self._dense(step, fresh, output))
+        clock = _Clock()
+        sparsifier, accumulated = self.sparsifier, self.feedback.accumulated
+        self.feedback.compensate(fresh)
+        counts = yield from clock.local(self._pre_selection(accumulated, step))
+        local = sparsifier.select(accumulated, step)
+        if exclude and counts is None:  # a plan fixed every rank's count: keep it
+            local = _outside(local, exclude)
+        if counts is not None and local.numel() != counts[self.rank]:
+            raise RuntimeError(
+                f"{sparsifier.name}: rank {self.rank} selected {local.numel()} positions but "
+                f"its plan says {counts[self.rank]} (a sparsifier bug)"
+            )
+        threshold, extra = sparsifier.threshold, sparsifier.report()
+        select_seconds = clock.lap()
+        proposal = Proposal(local, accumulated, step, counts)
+        exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
+        positions = exchanged.positions
+        values = self._values(positions)
+        # Known before the sum overwrites them; read only if the sum is not finite.
+        mine = values.numel() > 0 and any_nonfinite(values)
+        summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
+        if summed.numel() and bool(any_nonfinite(summed)):
+            raise self._nonfinite(step, positions, summed, bool(mine))
+        averaged = summed.to(accumulated.dtype) if self.value_dtype else summed
+        output.write(positions, averaged.div_(self.world_size))
+        sparsifier.update(positions.numel())
+        return StepReport(
+            selected=positions.numel(),
+            local_selected=exchanged.local_selected,
+            message_slots=exchanged.message_slots,
+            proposed=exchanged.proposed,
+            bytes_sent=clock.bytes(self.world_size),
+            threshold=threshold,
+            select_seconds=select_seconds,
+            finish_seconds=clock.lap(),
+            extra=extra,
+            partition=sparsifier.partition(step),
+            local_proposed=exchanged.local_proposed,
+            message_bytes=clock.message_bytes(),
+        )
+
+    def _pre_selection(self, accumulated: torch.Tensor, step: int) -> Generator[
+        Collective, torch.Tensor, list[int] | None
+    ]:
+        """A leader's plan (which fixes every rank's count) or an all-ranks sum, if any."""
+        sparsifier = self.sparsifier
+        if sparsifier.planned:  # the leader must not plan for a rank at another step
+            header = torch.tensor([step], device=accumulated.device)
+            rows = (yield Collective("all_gather", header, "header")).tolist()
+            check_steps([row[0] for row in rows])
+            leader = sparsifier.leader(step)
+            if self.rank == leader:
+                plan = sparsifier.make_plan(accumulated, step)
+            else:
+                plan = sparsifier.empty_plan(accumulated.device)
+            plan = yield Collective("broadcast", plan, "plan", root=leader)
+            return sparsifier.adopt_plan(plan, step)
+        if sparsifier.agrees:
+            proposal = sparsifier.agreement(accumulated, step)
+            sparsifier.adopt_agreement((yield Collective("all_reduce", proposal, "agreement")))
+        return None
+
+    def _values(self, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's accumulated values at ``positions``, as sent; the residual forgets them."""
+        accumulated = self.feedback.accumulated
+        values = accumulated.index_select(0, positions)
+        if self.value_dtype is None:
+            self.feedback.forget(positions)
+            return values
+        wire = values.to(self.value_dtype)
+        # What rounding took from this rank's values stays behind in its residual.
+        accumulated.index_copy_(0, positions, values.sub_(wire))
+        return wire
+
+    def _dense(self, step: int, fresh: Fresh, output: Output) -> Protocol_:
+        clock = _Clock()
+        flat = output.dense(fresh)
+        nothing = torch.empty(0, dtype=torch.long, device=flat.device)
+        proposal = Proposal(nothing, flat, step)
+        yield from clock.local(self.framing.exchange(proposal, self.world_size))
+        flat.div_(self.world_size)  # divide first, as DDP does, for identical results
+        yield from clock.local(_single(Collective("all_reduce", flat, "values")))
+        if bool(any_nonfinite(flat)):
+            raise self._nonfinite(step, None, flat, own=False)
+        numel = flat.numel()
+        return StepReport(numel, numel, 0, numel, clock.bytes(self.world_size), float("nan"),
+                          0.0, clock.lap(), local_proposed=numel,
+                          message_bytes=clock.message_bytes())  # fmt: skip
+
+    def _nonfinite(
+        self, step: int, positions: torch.Tensor | None, summed: torch.Tensor, own: bool
+    ) -> NonFiniteGradientError:
+        layout = self.sparsifier.layout
+        if positions is None:  # dense: the sum is the whole vector
+            positions = torch.arange(summed.numel(), device=summed.device)
+        bad = positions[~torch.isfinite(summed)][:100].tolist()
+        names = sorted({layout.locate(p) for p in bad})
+        whose = (
+            "this rank sent non-finite values"
+            if own
+            else "this rank's own values were finite (another rank sent them)"
+        )
+        return NonFiniteGradientError(
+            f"step {step}: NaN or Inf gradient in {', '.join(names)} (in the sum over ranks); "
+            f"{whose}. Lower the learning rate, clip gradients, or unscale AMP gradients before "
+            "averaging"
+        )
+
+
+def _outside(positions: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    keep = torch.ones_like(positions, dtype=torch.bool)
+    for start, end in ranges:
+        keep &= (positions < start) | (positions >= end)
+    return positions[keep]
+
+
+def _single(request: Collective) -> Generator[Collective, torch.Tensor, torch.Tensor]:
+    return (yield request)
+
+
+class _Clock:
+    """Local seconds of a step's protocol (the time between resuming it and its next request)
+    and the wire bytes of its requests."""
+
+    def __init__(self) -> None:
+        self._mark = time.perf_counter()
+        self._local = 0.0
+        self._requests: list[Collective] = []
+
+    def local(self, protocol: Generator[Collective, torch.Tensor, Any]) -> Generator[
+        Collective, torch.Tensor, Any
+    ]:
+        """Run ``protocol`` as a sub-step, counting only the time spent inside it."""
+        try:
+            request = next(protocol)
+            while True:
+                self._local += time.perf_counter() - self._mark
+                self._requests.append(request)
+                result = yield request
+                self._mark = time.perf_counter()
+                request = protocol.send(result)
+        except StopIteration as done:
+            return done.value
+
+    def lap(self) -> float:
+        """Local seconds since the previous lap."""
+        now = time.perf_counter()
+        seconds, self._local, self._mark = self._local + now - self._mark, 0.0, now
+        return seconds
+
+    def bytes(self, world_size: int) -> int:
+        return sum(request.wire_bytes(world_size) for request in self._requests)
+
+    def message_bytes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for request in self._requests:
+            size = request.tensor.numel() * request.tensor.element_size()
+            sizes[request.what] = sizes.get(request.what, 0) + size
+        return sizes
+
+
+def run_blocking(protocol: Protocol_, collectives: Collectives) -> StepReport:
+    """Drive a step to its end, running each request on ``collectives`` as it comes."""
+    try:
+        request = next(protocol)
+        while True:
+            request = protocol.send(collectives.run(request))
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,92 @@
+"""The q largest entries of a long vector, exactly, for about the cost of one compare.
+
+``torch.topk`` over d entries costs many passes over them. But the q-th largest can be
+bracketed from a small random sample: with s samples of N entries, the j-th largest sample
+has about j·N/s entries at or above it, and choosing j a few standard deviations above
+q·s/N makes that at least q with near certainty. One compare against that edge (NaN-safe,
+:class:`~microsparse.sparsifiers.base.Candidates`) leaves a few times q candidates, and an
+exact top-q over those is cheap. If the edge was too high (fewer than q candidates: rare), the
+next try takes a sample rank four times larger, ending in an exact top-q over everything.
+The result is the exact top-q whatever the sample: the sample only decides the cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from microsparse.sparsifiers.base import Candidates
+
+SAMPLE = 4096
+"""Entries sampled per call (fixed positions, drawn once)."""
+
+
+def sample_rank(quota: int, size: int, samples: int) -> int:
+    """The rank j of the sample order statistic that has >= ``quota`` entries above it.
+
+    With μ = quota·samples/size expected samples among the quota largest, j solves
+    j − 3·√j = μ: three standard deviations of the (Poisson) count in hand.
+
+    Example:
+        >>> sample_rank(quota=100, size=1_000_000, samples=4096)
+        10
+        >>> sample_rank(quota=100_000, size=1_000_000, samples=4096)
+        475
+    """
+    mu = quota * samples / size
+    root = (3.0 + math.sqrt(9.0 + 4.0 * mu)) / 2.0
+    return math.ceil(root * root)
+
+
+class LargestFinder:
+    """Exact top-q of contiguous 1-D magnitude vectors of up to ``size`` entries.
+
+    Example:
+        >>> finder = LargestFinder(size=100_000)
+        >>> values = torch.randn(100_000, generator=torch.Generator().manual_seed(0)).abs_()
+        >>> found = finder.largest(values, 50)
+        >>> torch.equal(found.sort().values, values.topk(50).indices.sort().values)
+        True
+        >>> finder.smallest_taken == values.topk(50).values.min().item()
+        True
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        count = min(SAMPLE, size)
+        self._sample = torch.randint(size, (count,), generator=generator).sort().values
+        self._candidates = Candidates()
+        self._taken: torch.Tensor | None = None
+
+    @property
+    def smallest_taken(self) -> float:
+        """The smallest magnitude the last call took (its threshold), NaN before any."""
+        return math.nan if self._taken is None else self._taken.min().item()
+
+    def largest(self, magnitude: torch.Tensor, quota: int) -> torch.Tensor:
+        """Indices of the ``quota`` largest entries of ``magnitude`` (ties: any of them)."""
+        size = magnitude.numel()
+        if quota >= size:
+            self._taken = magnitude if size else None
+            return torch.arange(size, device=magnitude.device)
+        if size <= 4 * SAMPLE or 8 * quota >= size:  # small enough for topk itself
+            return self._top(magnitude, None, quota)
+        if self._sample.device != magnitude.device:
+            self._sample = self._sample.to(magnitude.device)
+        sample = magnitude.index_select(0, self._sample[self._sample < size])
+        rank = sample_rank(quota, size, sample.numel())
+        while rank <= sample.numel():
+            edge = torch.topk(sample, rank, sorted=False).values.min().item()
+            if edge > 0 or math.isnan(edge):
+                found = self._candidates.at_least(magnitude, edge)
+                if found.numel() >= quota:
+                    return self._top(magnitude, found, quota)
+            rank *= 4
+        return self._top(magnitude, None, quota)
+
+    def _top(self, magnitude: torch.Tensor, among: torch.Tensor | None, quota: int) -> torch.Tensor:
+        values = magnitude if among is None else magnitude.index_select(0, among)
+        top = torch.topk(values, quota, sorted=False)
+        self._taken = top.values
+        return top.indices if among is None else among.index_select(0, top.indices)

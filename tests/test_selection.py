@@ -1,0 +1,64 @@
+"""The selection primitives against brute force: exact top-q, and NaN-safe candidates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from microsparse.sparsifiers.base import Candidates
+from microsparse.sparsifiers.largest import LargestFinder, sample_rank
+
+
+def streams() -> list[tuple[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    size = 200_003  # not a multiple of 8: the mask's padding words
+    gaussian = torch.randn(size, generator=generator).abs_()
+    tail = torch.empty(size).exponential_(generator=generator) ** 4  # heavy tail
+    sparse = gaussian.clone()
+    sparse[torch.rand(size, generator=generator) < 0.995] = 0  # mostly zeros (embeddings)
+    scales = torch.tensor([1e-6, 1.0, 1e3])
+    layered = gaussian * scales.repeat_interleave(torch.tensor([100_000, 90_000, 10_003]))
+    ties = torch.randint(0, 5, (size,), generator=generator).float()  # many equal values
+    return [("gaussian", gaussian), ("tail", tail), ("sparse", sparse), ("layered", layered),
+            ("ties", ties)]  # fmt: skip
+
+
+@pytest.mark.parametrize("quota", [1, 7, 200, 3_000, 30_000])
+def test_largest_finder_is_exact_topk(quota: int) -> None:
+    finder = LargestFinder(size=200_003, seed=quota)
+    for name, values in streams():
+        found = finder.largest(values, quota)
+        assert found.numel() == quota and found.unique().numel() == quota, name
+        kth = torch.topk(values, quota).values[-1]
+        # Exactly a top-q set: everything taken is >= the q-th largest, everything left <= it.
+        taken = torch.zeros_like(values, dtype=torch.bool)
+        taken[found] = True
+        assert bool((values[taken] >= kth).all()) and bool((values[~taken] <= kth).all()), name
+        assert finder.smallest_taken == kth.item(), name
+
+
+def test_largest_finder_takes_nan_first() -> None:
+    values = torch.randn(100_000, generator=torch.Generator().manual_seed(1)).abs_()
+    values[[5, 77_777]] = math.nan
+    found = LargestFinder(size=100_000).largest(values, 10)
+    assert {5, 77_777} <= set(found.tolist())
+
+
+def test_sample_rank_grows_with_the_expected_count() -> None:
+    ranks = [sample_rank(q, 1_000_000, 4096) for q in (1, 100, 10_000, 100_000)]
+    assert ranks == sorted(ranks) and ranks[0] >= 9  # three standard deviations in hand
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.01, 0.3])
+def test_candidates_match_nonzero_with_nan_counted(fraction: float) -> None:
+    generator = torch.Generator().manual_seed(2)
+    candidates = Candidates()
+    for size in (1, 8, 13, 50_001):
+        values = torch.rand(size, generator=generator)
+        values[torch.rand(size, generator=generator) < 0.001] = math.nan
+        threshold = 1 - fraction
+        expected = torch.nonzero((values >= threshold) | values.isnan()).squeeze(1)
+        for _ in range(2):  # the word scan, then (after a dense call) the plain one
+            assert torch.equal(candidates.at_least(values, threshold), expected), size
