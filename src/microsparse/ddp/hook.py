@@ -25,8 +25,8 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
        issued when the previous one completes, in slab order on every rank, each round on a
        process group of its own (MiCRO: one all-gather of indices, then one all-reduce of
        the values there);
-    3. the sparse average is written into the bucket; what was not sent stays in the
-       residual.
+    3. the sparse average is written (in O(K), into a buffer of the slab's that DDP then
+       copies into the gradients); what was not sent stays in the residual.
 
     Meanwhile autograd goes on computing the next buckets' gradients. Every pass selects k
     entries in all (each slab its share), from the first one on.
@@ -48,11 +48,11 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
-    jobs, waiting_for = binding.slabs.arrive(bucket.parameters(), buffer)
+    jobs, waiting_for, result = binding.slabs.arrive(bucket.parameters(), buffer)
     number = len(record.buckets)
-    record.buckets[number] = (future, buffer, waiting_for)
+    record.buckets[number] = (future, result, waiting_for)
     if not waiting_for:  # in no slab (a checkpoint of another model): reported at the end
-        future.set_result(buffer)
+        future.set_result(result)
     for job in jobs:
         _Chain(state, binding, record, job, record.slabs_started).start()
         record.slabs_started += 1

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from microsparse.engine import FlatOutput, SparseStep
+from microsparse.comm.framing import Dense
+from microsparse.engine import FlatOutput, SparseOutput, SparseStep
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier
@@ -66,6 +67,25 @@ class Slab:
             dtype = torch.promote_types(dtype, p.dtype)
         self.feedback = ErrorFeedback(self.layout, dtype, params[0].device)
         self.engine = SparseStep(sparsifier, self.feedback, value_dtype)
+        self._output: SparseOutput | None = None
+
+    def output_for(self, buffer: torch.Tensor) -> FlatOutput | SparseOutput:
+        """Where the average of a slab that is exactly DDP's bucket ``buffer`` goes.
+
+        DDP copies the hook's result into every ``p.grad``, so the slab hands it its own
+        buffer, rewritten in O(K), instead of zeroing the bucket every step. Dense slabs, and
+        gradients that are views of the bucket (``gradient_as_bucket_view=True``), use the
+        bucket itself.
+        """
+        grad = self.params[0].grad
+        in_bucket = grad is not None and (
+            grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        )
+        if isinstance(self.engine.framing, Dense) or in_bucket:
+            return FlatOutput(buffer)
+        if self._output is None or self._output.data.dtype != buffer.dtype:
+            self._output = SparseOutput(torch.zeros_like(buffer))
+        return self._output
 
     @property
     def sparsifier(self) -> Sparsifier:
@@ -80,7 +100,7 @@ class Job:
     key: object
     """Names the slab in this pass (the buckets holding its parameters wait for it)."""
     fresh: torch.Tensor | list[torch.Tensor]
-    output: FlatOutput | PiecesOutput
+    output: FlatOutput | SparseOutput | PiecesOutput
     buckets: list[int]
     """Indices (in this pass) of the buckets holding its parameters."""
     exclude: list[tuple[int, int]] = field(default_factory=list)
@@ -163,10 +183,10 @@ class Slabs:
 
     def arrive(
         self, params: Sequence[torch.Tensor], buffer: torch.Tensor
-    ) -> tuple[list[Job], set[object]]:
+    ) -> tuple[list[Job], set[object], torch.Tensor]:
         """DDP handed over a bucket: the jobs of the slabs that now have all their gradients
-        (in an order that is the same on every rank), and the keys of the slabs the bucket
-        must wait for."""
+        (in an order that is the same on every rank), the keys of the slabs the bucket must
+        wait for, and the tensor its future completes with."""
         number = self._buckets
         self._buckets += 1
         for p in params:
@@ -177,7 +197,8 @@ class Slabs:
             slab = self._slab_of.get(key[0])
             if slab is None or tuple(id(p) for p in slab.params) != key:
                 slab = self._new_slab(params)
-            return [self._job(slab, id(slab), whole=buffer)], {id(slab)}
+            job = self._job(slab, id(slab), whole=buffer)
+            return [job], {id(slab)}, job.output.data
         saved = self._restored
         waiting: set[object] = {
             ("saved", saved.slab_of[self._index[id(p)]])
@@ -185,7 +206,7 @@ class Slabs:
             if self._index[id(p)] in saved.slab_of
         }
         jobs = [self._job(slab, ("saved", n)) for n, slab in self._ready_restored_slabs()]
-        return jobs, waiting
+        return jobs, waiting, buffer
 
     def _job(self, slab: Slab, key: object, whole: torch.Tensor | None = None) -> Job:
         self._started.add(id(slab))
@@ -198,7 +219,7 @@ class Slabs:
             if not self._used(p)
         ]
         if whole is not None:
-            return Job(slab, key, whole, FlatOutput(whole), buckets, exclude)
+            return Job(slab, key, whole, slab.output_for(whole), buckets, exclude)
         views = [view for _, view in where]
         return Job(slab, key, views, PiecesOutput(views, slab.layout), buckets, exclude)
 

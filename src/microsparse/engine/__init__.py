@@ -5,13 +5,14 @@ same protocol is driven by ``GradientReducer`` (blocking), the DDP hook (futures
 simulator (in-process groups).
 """
 
-from microsparse.engine.output import DiscardOutput, FlatOutput, GradientOutput
+from microsparse.engine.output import DiscardOutput, FlatOutput, GradientOutput, SparseOutput
 from microsparse.engine.step import SparseStep, StepReport, run_blocking
 
 __all__ = [
     "DiscardOutput",
     "FlatOutput",
     "GradientOutput",
+    "SparseOutput",
     "SparseStep",
     "StepReport",
     "run_blocking",

@@ -1,10 +1,11 @@
 """Where a step writes the averaged gradient: a flat tensor, or every ``p.grad`` of a model.
 
 The average is sparse: K of d entries are non-zero. Writing it must not cost a dense pass when
-it need not: :class:`GradientOutput` keeps one flat buffer whose views are the parameters'
-gradients, clears only the previous step's K positions, and falls back to one zeroing pass
-only when something else wrote into the gradients in between (which the buffer's version
-counter shows: autograd accumulating into them, ``zero_grad(set_to_none=False)``, clipping).
+it need not: :class:`SparseOutput` keeps one flat buffer, clears only the previous step's K
+positions, and falls back to one zeroing pass only when something else wrote into it in
+between (which its version counter shows: autograd accumulating into it,
+``zero_grad(set_to_none=False)``, clipping). :class:`GradientOutput` makes its views the
+parameters' gradients; the DDP hook returns one to DDP, which copies it into the gradients.
 """
 
 from __future__ import annotations
@@ -40,8 +41,47 @@ class FlatOutput:
         return self.data
 
 
-class GradientOutput:
-    """Every parameter's ``p.grad`` as a view of one flat buffer, rewritten in O(K).
+class SparseOutput:
+    """A flat buffer that holds the sparse average, rewritten in O(K) per step.
+
+    Only the previous step's K positions are cleared, unless something else wrote into the
+    buffer in between (its version counter shows it), which costs one zeroing pass.
+
+    Example:
+        >>> out = SparseOutput(torch.zeros(5))
+        >>> out.write(torch.tensor([1, 3]), torch.tensor([0.5, -1.0]))
+        >>> out.write(torch.tensor([0]), torch.tensor([2.0]))
+        >>> out.data.tolist()
+        [2.0, 0.0, 0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self._written = torch.empty(0, dtype=torch.long, device=data.device)
+        self._version = data._version
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        data = self.data
+        if data._version == self._version:  # untouched since our last write: clear those only
+            data.index_fill_(0, self._written, 0)
+        else:
+            data.zero_()
+        data.index_copy_(0, positions, values.to(data.dtype))
+        self._written = positions
+        self._written_by_us()
+
+    def _written_by_us(self) -> None:
+        self._version = self.data._version
+
+    def dense(self, fresh: Fresh) -> torch.Tensor:
+        self.data.copy_(fresh if isinstance(fresh, torch.Tensor) else torch.cat(
+            [g.reshape(-1) for g in fresh]))  # fmt: skip
+        self._version = -1  # every entry written: a sparse write must zero the whole buffer
+        return self.data
+
+
+class GradientOutput(SparseOutput):
+    """Every parameter's ``p.grad`` as a view of one flat :class:`SparseOutput` buffer.
 
     Parameters whose dtype differs from the buffer's (a model mixing dtypes) get a copy
     instead of a view.
@@ -59,20 +99,11 @@ class GradientOutput:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self._params = list(params)
         self._buffer = FlatVector(layout, dtype, params[0].device)
-        self.data = self._buffer.data
-        self._written = torch.empty(0, dtype=torch.long, device=self.data.device)
-        self._version = self.data._version
+        super().__init__(self._buffer.data)
 
-    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
-        data = self.data
-        if data._version == self._version:  # untouched since our last write: clear those only
-            data.index_fill_(0, self._written, 0)
-        else:
-            data.zero_()
-        data.index_copy_(0, positions, values.to(data.dtype))
-        self._written = positions
+    def _written_by_us(self) -> None:
         self._attach()
-        self._version = data._version
+        super()._written_by_us()
 
     def dense(self, fresh: Fresh) -> torch.Tensor:
         if isinstance(fresh, torch.Tensor):
@@ -84,7 +115,7 @@ class GradientOutput:
                 elif gradient is not view:
                     view.copy_(gradient)
         self._attach()
-        self._version = -1  # every entry written: a sparse write must zero the whole buffer
+        self._version = -1
         return self.data
 
     def _attach(self) -> None:

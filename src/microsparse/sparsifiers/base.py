@@ -148,10 +148,13 @@ class Candidates:
     """Positions i of a contiguous 1-D vector with ``magnitude[i] >= threshold``, NaN included.
 
     A NaN counts as at least any threshold: it is then selected and sent, and the engine sees
-    it in the sum on every rank instead of it hiding in a residual. The compare mask is made
-    once; when few entries pass, their positions are found from the mask's 64-bit words (one
-    scan over d/8 words, then the few words that hold a candidate), several times faster than
-    ``torch.nonzero`` over every entry.
+    it in the sum on every rank instead of it hiding in a residual.
+
+    When few entries pass, comparing every entry is wasted work (a boolean per entry is the
+    slowest thing a CPU compare writes). The vector is cut into chunks of ``LANES · DEPTH``
+    entries, and block (c, l) is the ``DEPTH`` entries of chunk c at lane l, l + LANES, ...:
+    the maxima of all blocks are one vectorised reduction over the chunks' rows, at about the
+    cost of one read pass, and only the blocks whose maximum passes are compared entry by entry.
 
     Example:
         >>> candidates = Candidates()
@@ -159,30 +162,60 @@ class Candidates:
         [0, 1, 3]
     """
 
-    SPARSE = 1 / 32
-    """Below this fraction of passing entries the word scan is used."""
+    LANES, DEPTH = 64, 32
+    CHUNK = LANES * DEPTH
+    SMALL = 64 * 1024
+    """Vectors shorter than this are compared entry by entry."""
+    SPARSE = 1 / 64
+    """Below this fraction of passing entries the block maxima are used."""
 
     def __init__(self) -> None:
-        self._mask = torch.empty(0, dtype=torch.bool)
+        self._maxima = torch.empty(0)
+        self._depth = torch.arange(self.DEPTH) * self.LANES
         self._sparse = True
 
-    def at_least(self, magnitude: torch.Tensor, threshold: float) -> torch.Tensor:
+    def maxima(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """The maximum of every block (NaN if it holds one), block (c, l) at c · LANES + l."""
+        chunks = magnitude.numel() // self.CHUNK
+        if self._maxima.numel() < chunks * self.LANES or self._maxima.device != magnitude.device:
+            self._maxima = torch.empty(chunks * self.LANES, dtype=magnitude.dtype,
+                                       device=magnitude.device)  # fmt: skip
+            self._depth = self._depth.to(magnitude.device)
+        grid = magnitude[: chunks * self.CHUNK].view(chunks, self.DEPTH, self.LANES)
+        maxima = self._maxima[: chunks * self.LANES]
+        torch.amax(grid, dim=1, out=maxima.view(chunks, self.LANES))
+        return maxima
+
+    def at_least(
+        self, magnitude: torch.Tensor, threshold: float, maxima: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Positions (any order) of the entries >= ``threshold`` or NaN; ``maxima`` from
+        :meth:`maxima` of this same ``magnitude`` if already computed."""
         size = magnitude.numel()
-        padded = -(-size // 8) * 8
-        if self._mask.numel() < padded or self._mask.device != magnitude.device:
-            self._mask = torch.zeros(padded, dtype=torch.bool, device=magnitude.device)
-        mask = self._mask[:padded]
-        torch.lt(magnitude, threshold, out=mask[:size])
-        mask[:size].logical_not_()  # ~(m < t): NaN passes
-        mask[size:] = False
-        if self._sparse:
-            words = torch.nonzero(mask.view(torch.int64)).squeeze(1)
-            rows, cols = torch.nonzero(mask.view(-1, 8).index_select(0, words), as_tuple=True)
-            found = words.index_select(0, rows).mul_(8).add_(cols)
+        if maxima is None and (not self._sparse or size < self.SMALL):
+            found = _passing(magnitude, threshold)
         else:
-            found = torch.nonzero(mask).squeeze(1)
+            if maxima is None:
+                maxima = self.maxima(magnitude)
+            hit = _passing(maxima, threshold)
+            # First entry of each hit block, then its DEPTH entries LANES apart.
+            first = torch.div(hit, self.LANES, rounding_mode="floor").mul_(self.CHUNK).add_(
+                hit % self.LANES
+            )
+            entries = (first.unsqueeze(1) + self._depth).view(-1)
+            inside = _passing(magnitude.index_select(0, entries), threshold)
+            found = entries.index_select(0, inside)
+            covered = maxima.numel() // self.LANES * self.CHUNK
+            if covered < size:  # after the last full chunk
+                tail = _passing(magnitude[covered:], threshold).add_(covered)
+                found = torch.cat([found, tail])
         self._sparse = found.numel() < self.SPARSE * max(size, 1)
         return found
+
+
+def _passing(values: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Positions of ``values`` (1-D) that are >= ``threshold`` or NaN, ascending."""
+    return torch.nonzero(~(values < threshold)).squeeze(1)
 
 
 class Magnitudes:
@@ -213,5 +246,5 @@ class Magnitudes:
         return self.at_least(magnitude, threshold).numel()
 
     def at_least(self, magnitude: torch.Tensor, threshold: float) -> torch.Tensor:
-        """Positions i with ``magnitude[i] >= threshold`` (int64, ascending; NaN included)."""
+        """Positions i with ``magnitude[i] >= threshold`` (int64, any order; NaN included)."""
         return self._candidates.at_least(magnitude, threshold)

@@ -1,13 +1,17 @@
 """The q largest entries of a long vector, exactly, for about the cost of one compare.
 
 ``torch.topk`` over d entries costs many passes over them. But the q-th largest can be
-bracketed from a small random sample: with s samples of N entries, the j-th largest sample
-has about j·N/s entries at or above it, and choosing j a few standard deviations above
-q·s/N makes that at least q with near certainty. One compare against that edge (NaN-safe,
-:class:`~microsparse.sparsifiers.base.Candidates`) leaves a few times q candidates, and an
+bracketed from a small sample. The vector is read once, into the maxima of blocks of 32
+entries (:class:`~microsparse.sparsifiers.base.Candidates`; the last entries, past the last
+full chunk of blocks, are compared directly). Of B block maxima, s are
+sampled: the j-th largest sample has about j·B/s maxima at or above it, and choosing j a few
+standard deviations above q·s/B makes that at least q with near certainty, so at least q
+entries are at or above this edge. Only the blocks whose maximum reaches the edge are then
+compared entry by entry, which leaves a little more than q candidates (NaN included), and an
 exact top-q over those is cheap. If the edge was too high (fewer than q candidates: rare), the
-next try takes a sample rank four times larger, ending in an exact top-q over everything.
-The result is the exact top-q whatever the sample: the sample only decides the cost.
+next try takes a sample rank four times larger (a compare over the maxima only), ending in an
+exact top-q over everything. The result is the exact top-q whatever the sample: the sample
+only decides the cost.
 """
 
 from __future__ import annotations
@@ -54,10 +58,12 @@ class LargestFinder:
 
     def __init__(self, size: int, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
-        count = min(SAMPLE, size)
-        self._sample = torch.randint(size, (count,), generator=generator).sort().values
+        blocks = max(1, size // Candidates.CHUNK * Candidates.LANES)
+        count = min(SAMPLE, blocks)
+        self._sample = torch.randint(blocks, (count,), generator=generator).sort().values
         self._candidates = Candidates()
         self._taken: torch.Tensor | None = None
+        self._sample_size, self._sample_below = -1, self._sample
 
     @property
     def smallest_taken(self) -> float:
@@ -73,17 +79,24 @@ class LargestFinder:
         if size <= 4 * SAMPLE or 8 * quota >= size:  # small enough for topk itself
             return self._top(magnitude, None, quota)
         if self._sample.device != magnitude.device:
-            self._sample = self._sample.to(magnitude.device)
-        sample = magnitude.index_select(0, self._sample[self._sample < size])
-        rank = sample_rank(quota, size, sample.numel())
+            self._sample, self._sample_size = self._sample.to(magnitude.device), -1
+        maxima = self._candidates.maxima(magnitude)
+        sample = maxima.index_select(0, self._within(maxima.numel()))
+        rank = sample_rank(quota, maxima.numel(), sample.numel())
         while rank <= sample.numel():
             edge = torch.topk(sample, rank, sorted=False).values.min().item()
             if edge > 0 or math.isnan(edge):
-                found = self._candidates.at_least(magnitude, edge)
+                found = self._candidates.at_least(magnitude, edge, maxima)
                 if found.numel() >= quota:
                     return self._top(magnitude, found, quota)
             rank *= 4
         return self._top(magnitude, None, quota)
+
+    def _within(self, size: int) -> torch.Tensor:
+        """The sampled block numbers below ``size`` (partitions differ by a block at most)."""
+        if self._sample_size != size:
+            self._sample_below, self._sample_size = self._sample[self._sample < size], size
+        return self._sample_below
 
     def _top(self, magnitude: torch.Tensor, among: torch.Tensor | None, quota: int) -> torch.Tensor:
         values = magnitude if among is None else magnitude.index_select(0, among)

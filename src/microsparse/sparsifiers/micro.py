@@ -12,12 +12,7 @@ from microsparse.layout import Layout
 from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Candidates, Sparsifier
 from microsparse.sparsifiers.largest import LargestFinder
-from microsparse.sparsifiers.partition import (
-    PARTITIONINGS,
-    Segment,
-    owned_partition,
-    segment_positions,
-)
+from microsparse.sparsifiers.partition import PARTITIONINGS, Segment, owned_partition
 from microsparse.sparsifiers.threshold import (
     THRESHOLD_RULES,
     QuantileThreshold,
@@ -203,19 +198,18 @@ class Micro(Sparsifier):
         else:
             magnitude = self._owned_magnitudes(accumulated, step)
         self._magnitudes_of_step = None
-        segments = self._partitions.segments(accumulated, part)
         if self.selection == "quota":
             quota = min(self.quota(step), size)
             if quota == 0:
                 return torch.empty(0, dtype=torch.long, device=accumulated.device)
             chosen = self._finder.largest(magnitude, quota)
             self._threshold = self._finder.smallest_taken
-            return segment_positions(segments, chosen)
+            return self._partitions.positions(part, chosen)
         assert self._rule is not None
         chosen = self._candidates.at_least(magnitude, self._rule.threshold)
         if chosen.numel() == 0:
             chosen = torch.tensor([step % size], device=accumulated.device)
-        return segment_positions(segments, chosen)
+        return self._partitions.positions(part, chosen)
 
     def _owned_magnitudes(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         """|a| of the owned partition, read segment by segment into the scratch buffer."""

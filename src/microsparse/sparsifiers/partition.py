@@ -50,31 +50,6 @@ class Segment(NamedTuple):
     base: int
     row_stride: int
 
-    def positions(self, indices: torch.Tensor) -> torch.Tensor:
-        """Flat positions of the entries at ``indices`` of the view read row by row."""
-        width = self.view.shape[1]
-        return torch.div(indices, width, rounding_mode="floor").mul_(self.row_stride).add_(
-            indices % width + self.base
-        )
-
-
-def segment_positions(segments: list[Segment], indices: torch.Tensor) -> torch.Tensor:
-    """Flat positions of ``indices`` into the concatenation of ``segments``, read row by row.
-
-    Example:
-        >>> partitions = InterleavedPartitions(10, parts=2, block=2)
-        >>> segment_positions(partitions.segments(torch.arange(10.0), 0), torch.tensor([0, 3, 5]))
-        tensor([0, 5, 9])
-    """
-    if len(segments) == 1:
-        return segments[0].positions(indices)
-    out, offset = torch.empty_like(indices), 0
-    for segment in segments:
-        inside = (indices >= offset) & (indices < offset + segment.view.numel())
-        out[inside] = segment.positions(indices[inside] - offset)
-        offset += segment.view.numel()
-    return out
-
 
 class ContiguousPartitions:
     """The reference layout: partition p is one contiguous range (``contiguous_partitions``).
@@ -99,6 +74,15 @@ class ContiguousPartitions:
     def segments(self, vector: torch.Tensor, part: int) -> list[Segment]:
         start, end = self.ranges[part]
         return [Segment(vector[start:end].unsqueeze(0), start, 0)] if end > start else []
+
+    def positions(self, part: int, indices: torch.Tensor) -> torch.Tensor:
+        """Flat positions of ``indices`` into the partition's entries (read as ``segments``).
+
+        Example:
+            >>> ContiguousPartitions(10, 4).positions(1, torch.tensor([0, 2])).tolist()
+            [3, 5]
+        """
+        return indices + self.ranges[part][0]
 
 
 class InterleavedPartitions:
@@ -127,6 +111,7 @@ class InterleavedPartitions:
         self.numel = numel
         self.parts = parts
         self.full_blocks, self.tail = divmod(numel, self.block)
+        self._row_starts: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _rows(self, part: int) -> int:
         return len(range(part, self.full_blocks, self.parts))
@@ -150,6 +135,24 @@ class InterleavedPartitions:
             start = self.full_blocks * self.block
             segments.append(Segment(vector[start:].unsqueeze(0), start, 0))
         return segments
+
+    def positions(self, part: int, indices: torch.Tensor) -> torch.Tensor:
+        """Flat positions of ``indices`` into the partition's entries (read as ``segments``):
+        row ``i // block`` starts at a known flat position, the tail being one more row.
+
+        Example:
+            >>> partitions = InterleavedPartitions(10, parts=2, block=2)
+            >>> partitions.positions(0, torch.tensor([0, 3, 5])).tolist()
+            [0, 5, 9]
+        """
+        starts = self._row_starts.get((part, indices.device))
+        if starts is None:
+            rows = torch.arange(part, self.full_blocks, self.parts) * self.block
+            if self._owns_tail(part):
+                rows = torch.cat([rows, torch.tensor([self.full_blocks * self.block])])
+            starts = self._row_starts[(part, indices.device)] = rows.to(indices.device)
+        rows = torch.div(indices, self.block, rounding_mode="floor")
+        return starts.index_select(0, rows).add_(indices % self.block)
 
 
 PARTITIONINGS = {"contiguous": ContiguousPartitions, "interleaved": InterleavedPartitions}
