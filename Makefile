@@ -33,6 +33,7 @@ BALANCE_VARIANTS := micro,micro(selection=threshold),micro(partitioning=contiguo
 BALANCE_FLAGS = --workers 4,16,64 --steps 40 --warmup 5 $(BENCH_FLAGS)
 
 bench: $(READY)
+	$(MICROSPARSE) bench overhead --out $(BENCH)/overhead
 	$(MICROSPARSE) bench select $(BENCH_FLAGS) --out $(BENCH)/select
 	$(MICROSPARSE) train --workers 4 --max-steps 150 --capture-gradients $(BENCH)/capture \
 		--capture-steps 150 --no-progress --out $(BENCH)/capture-train

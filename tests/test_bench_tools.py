@@ -292,3 +292,19 @@ def test_reducer_over_symmetric_peers_sends_as_rank_0_of_n():
     assert stats.world_size == 8 and stats.local_selected == 100
     assert stats.selected == 100 and stats.proposed == 800  # identical peers: full overlap
     assert stats.bytes_sent > 0
+
+
+def test_overhead_times_both_drivers_and_the_loopback_ratio(tmp_path):
+    out = tmp_path / "overhead"
+    code = main(["bench", "overhead", "--sizes", "70000", "--partitions", "1,4", "--repeats", "2",
+                 "--loopback-ranks", "2", "--quiet", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "overhead.json").read_text())
+    assert [r["world_size"] for r in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        assert row["loop_passes"] > 0 and row["hook_passes"] > 0
+        # Both selections do the same job: the quota's count, k/n of d = 70,000 at δ = 0.001.
+        assert row["quota_count"] == row["reference_count"] == 70 // row["world_size"]
+    (loop,) = result["loopback"]["rows"]
+    assert loop["sparsifier"] == "micro" and loop["cpu_ratio"] > 0
+    assert "× all-reduce CPU" in (out / "overhead.md").read_text()

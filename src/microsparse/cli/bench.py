@@ -22,7 +22,7 @@ from microsparse.bench.cluster import (
     run_benchmark,
 )
 from microsparse.bench.cluster_worker import MODELS, NO_EXCHANGE
-from microsparse.cli import arguments, bench_controller, bench_select
+from microsparse.cli import arguments, bench_controller, bench_overhead, bench_select
 from microsparse.sparsifiers import available_sparsifiers
 
 T = TypeVar("T")
@@ -138,7 +138,12 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
     cluster.set_defaults(run=_cluster, parser=cluster)
 
 
-BENCHMARKS = [add_cluster, bench_select.add_parser, bench_controller.add_parser]
+BENCHMARKS = [
+    add_cluster,
+    bench_select.add_parser,
+    bench_overhead.add_parser,
+    bench_controller.add_parser,
+]
 """Functions that each add one ``microsparse bench`` sub-command, given the sub-parsers."""
 
 
