@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 from microsparse.bench import controller
 from microsparse.bench.capture import CaptureError
@@ -132,12 +129,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"arguments --drop-at/--rise-at: need drop-at < rise-at <= steps, got "
             f"{config.drop_at}, {config.rise_at}, {config.steps}"
         )
-    try:
-        if args.from_file:
-            result = json.loads(Path(args.from_file).read_text())
-        else:
-            result = controller.run(config, progress=not args.quiet)
-    except (CaptureError, ValueError, OSError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+    result = bench_options.measure_or_load(
+        args,
+        parser,
+        lambda: controller.run(config, progress=not args.quiet),
+        (CaptureError, ValueError, OSError),
+    )
+    if result is None:
         return 2
     return bench_options.finish(controller.write, controller.markdown, result, out, args)

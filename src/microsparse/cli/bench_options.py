@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,3 +108,20 @@ def finish(
         print(markdown(result))
     print("wrote " + ", ".join(str(path) for path in written))
     return 0
+
+
+def measure_or_load(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    measure: Callable[[], dict[str, Any]],
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError),
+) -> dict[str, Any] | None:
+    """The result in ``--from FILE`` if given, else ``measure()``; ``None`` (the error printed
+    in one line) if either fails with one of ``errors``."""
+    try:
+        if args.from_file:
+            return json.loads(Path(args.from_file).read_text())
+        return measure()
+    except errors as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return None

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 from microsparse.bench import overhead
 from microsparse.cli import arguments, bench_options
@@ -48,12 +45,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         repeats=args.repeats, loopback_ranks=args.loopback_ranks,
         loopback_repeats=args.repeats,
     )  # fmt: skip
-    try:
-        if args.from_file:
-            result = json.loads(Path(args.from_file).read_text())
-        else:
-            result = overhead.run(config, progress=not args.quiet)
-    except (ValueError, OSError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+    result = bench_options.measure_or_load(
+        args, parser, lambda: overhead.run(config, progress=not args.quiet)
+    )
+    if result is None:
         return 2
     return bench_options.finish(overhead.write, overhead.markdown, result, out, args)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 
@@ -90,12 +87,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         devices=tuple(devices),
         only=args.sparsifiers,
     )
-    try:
-        if args.from_file:
-            result = json.loads(Path(args.from_file).read_text())
-        else:
-            result = select.run(config, progress=not args.quiet)
-    except (ValueError, OSError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+    result = bench_options.measure_or_load(
+        args, parser, lambda: select.run(config, progress=not args.quiet)
+    )
+    if result is None:
         return 2
     return bench_options.finish(select.write, select.markdown, result, out, args)
