@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from microsparse.cli import build_parser, main
 from microsparse.cli.train import _config as config_of
@@ -210,6 +211,15 @@ def test_config_file_is_between_the_recipe_and_the_command_line(tmp_path):
     assert epochwise.checkpoint_per_epoch and epochwise.decay_epochs == (3, 5)
 
 
+def test_a_bad_value_from_the_config_file_names_the_file(capsys, tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"density": 2.0, "threshold_rule": "symmetric"}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--config", str(config), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"argument --config: {config}: density must be in (0, 1]" in capsys.readouterr().err
+
+
 def test_config_file_with_an_unknown_key_exits_2(capsys, tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"learning_rate": 3}')
@@ -220,13 +230,19 @@ def test_config_file_with_an_unknown_key_exits_2(capsys, tmp_path):
 
 
 def test_resume_refuses_other_worker_counts_and_changed_options(capsys, tmp_path):
-    run = tmp_path / "run"
-    (run / "checkpoint").mkdir(parents=True)
-    saved = {"task": "mnist", "lr": 0.05, "out": str(run)}
+    saved = {"task": "mnist", "lr": 0.05}
     meta = {"epoch": 0, "batch": 3, "step": 3, "world_size": 2, "config": saved}
-    (run / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+    run, damaged = tmp_path / "run", tmp_path / "damaged"
+    for out, parts in ((run, ("shared", "rank0", "rank1")), (damaged, ("shared", "rank0"))):
+        (out / "checkpoint").mkdir(parents=True)
+        (out / "checkpoint" / "meta.json").write_text(json.dumps({**meta, "out": str(out)}))
+        for part in parts:
+            torch.save({}, out / "checkpoint" / f"{part}.pt")
+    (tmp_path / "torn" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "torn" / "checkpoint" / "meta.json").write_text('{"epoch": 0, "ba')
     for args, message in [
-        ([str(tmp_path)], f"argument --resume: {tmp_path / 'checkpoint' / 'meta.json'} does not"),
+        ([str(damaged)], f"argument --resume: {damaged / 'checkpoint' / 'rank1.pt'} is missing"),
+        ([str(tmp_path / "torn")], "meta.json cannot be read"),
         ([str(run), "--workers", "3"], "argument --workers: the checkpoint was written by 2"),
         ([str(run), "--lr", "0.1"], "argument --lr: cannot change when resuming"),
     ]:

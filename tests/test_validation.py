@@ -61,15 +61,23 @@ def test_a_threshold_rule_implies_threshold_selection() -> None:
     assert GradientReducer(linear(), "micro", 0.1).sparsifier.options()["selection"] == "quota"
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
-def test_non_floating_parameters(dtype: torch.dtype) -> None:
-    bad = torch.zeros(3, dtype=dtype)
+def test_complex_parameters_are_refused() -> None:
+    bad = torch.zeros(3, dtype=torch.complex64, requires_grad=True)
     with pytest.raises(
-        TypeError, match=rf"params: codes has dtype {dtype}; only real floating-point"
+        TypeError, match=r"params: codes has dtype torch.complex64; only real floating-point"
     ):
         GradientReducer(
             [("weight", torch.zeros(3, requires_grad=True)), ("codes", bad)], "micro", 0.1
         )
+
+
+def test_frozen_integer_parameters_are_skipped() -> None:
+    """An integer tensor cannot require grad: as a frozen parameter it is skipped, like any."""
+    codes = torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
+    reducer = GradientReducer(
+        [("weight", torch.zeros(4, requires_grad=True)), ("codes", codes)], "micro", 0.5
+    )
+    assert reducer.layout.names == ("weight",)
 
 
 def test_no_trainable_parameters() -> None:

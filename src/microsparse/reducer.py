@@ -209,13 +209,13 @@ def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torc
                 "params must hold tensors or (name, tensor) pairs; "
                 f"item {index} is {type(tensor).__name__}"
             )
+        if not tensor.requires_grad or id(tensor) in seen:  # frozen, or tied and listed twice
+            continue
         if not tensor.is_floating_point():
             raise TypeError(
                 f"params: {name} has dtype {tensor.dtype}; only real floating-point parameters "
-                "have gradients to reduce (exclude integer or complex tensors from params)"
+                "have gradients to reduce (exclude complex tensors from params)"
             )
-        if not tensor.requires_grad or id(tensor) in seen:  # frozen, or tied and listed twice
-            continue
         seen.add(id(tensor))
         names.append(name)
         tensors.append(tensor)

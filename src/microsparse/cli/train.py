@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS
 from microsparse.sparsifiers.partition import PARTITIONINGS
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
-from microsparse.training.checkpoint import read_meta
+from microsparse.training.checkpoint import CheckpointError, read_meta, verify_checkpoint
 from microsparse.training.config import (
     ConfigError,
     TrainConfig,
@@ -161,12 +162,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add("--max-steps", type=arguments.positive_int, help="stop after this many steps in all")
     add(
+        "--timeout",
+        type=arguments.positive_float,
+        metavar="SECONDS",
+        help="end the job when a peer has not joined a collective for this long (stopped, "
+        "hung or gone) (default: torch's, 30 minutes)",
+    )
+    add(
         "--checkpoint-every",
         type=_checkpoint_every,
         metavar="N|epoch",
         help="checkpoint into OUT/checkpoint every N steps, or after every epoch (and at the end)",
     )
-    add("--resume", metavar="DIR", help="continue the checkpointed run in DIR exactly")
+    add(
+        "--resume",
+        metavar="DIR",
+        help="continue the checkpointed run in DIR exactly; with no checkpoint there yet, start "
+        "a fresh run in DIR (so one command line serves the first start and every restart)",
+    )
     add(
         "--capture-gradients",
         metavar="DIR",
@@ -197,7 +210,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     local_workers = workers if env is None else env.local_world_size
     device = _resolve_device(args.device, local_workers, parser)
     config = replace(config, device=device)
-    data = _check_before_spawning(config, workers, parser)
+    from_file = set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
+    data = _check_before_spawning(config, workers, parser, from_file, args.config)
     if env is None or env.rank == 0:  # only rank 0 writes
         try:
             Path(config.out).mkdir(parents=True, exist_ok=True)
@@ -227,10 +241,20 @@ def _config(
                 parser.error("argument --out: a resumed run continues in its --resume directory")
             try:
                 meta = read_meta(args.resume)
-            except FileNotFoundError as error:
+                if meta is not None:
+                    verify_checkpoint(args.resume, int(meta["world_size"]))
+            except CheckpointError as error:
                 parser.error(f"argument --resume: {error}")
-            config = resume_config(meta["config"], given, args.resume)
-            return config.resolved(), int(meta["world_size"])
+            if meta is not None:
+                config = resume_config(meta["config"], given, args.resume)
+                return config.resolved(), int(meta["world_size"])
+            # The same command line serves the first start and every restart (torchrun
+            # --max-restarts): with nothing to resume yet, the run starts in that directory.
+            env = torchrun_env()
+            if env is None or env.rank == 0:
+                print(f"{parser.prog}: no checkpoint in {args.resume} yet: starting a fresh "
+                      "run there", file=sys.stderr)  # fmt: skip
+            given["out"] = args.resume
         values = config_from_file(args.config) if args.config else {}
         values.update(given)
         task, sparsifier = values.get("task", "mnist"), values.get("sparsifier", "micro")
@@ -263,16 +287,29 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_before_spawning(
-    config: TrainConfig, workers: int, parser: argparse.ArgumentParser
+    config: TrainConfig,
+    workers: int,
+    parser: argparse.ArgumentParser,
+    from_file: set[str] = frozenset(),  # type: ignore[assignment]
+    config_file: str | None = None,
 ) -> Any:
-    """Everything a worker would otherwise fail on, reported once; returns the loaded data."""
+    """Everything a worker would otherwise fail on, reported once; returns the loaded data.
+
+    An error about a value that came from ``--config`` names that file."""
     options = config.sparsifier_options()
     try:
         create_sparsifier(config.sparsifier, config.density, **options)
     except (TypeError, ValueError) as error:
-        named = [name for name in options if name in str(error)] or list(options) or ["x"]
-        option = "--sparsifier" if named == ["x"] else "--" + named[0].replace("_", "-")
-        parser.error(f"argument {option}: {error}")
+        names = ("selection", "threshold_rule", "partitioning", "index_message", "density")
+        field = next((name for name in names if name in str(error)), "sparsifier")
+        if field in from_file:
+            parser.error(f"argument --config: {config_file}: {error}")
+        parser.error(f"argument --{field.replace('_', '-')}: {error}")
+    cores = os.cpu_count() or 1
+    if torchrun_env() is None and workers > cores:
+        print(f"{parser.prog}: warning: {workers} workers on {cores} cores: every worker waits "
+              "for a core (and holds its own copy of the model and data in memory)",
+              file=sys.stderr)  # fmt: skip
     task = get_task(config.task)
     try:
         task.check_data_dir(config.data_dir)

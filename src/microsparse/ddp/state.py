@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ class SparseState:
             every sparsifier averages densely, exactly as DDP does.
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
+        timeout: seconds the hook's own collectives may wait for a peer (``None``: torch's
+            default for new process groups; it does not inherit the default group's).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     The state can be built before ``init_process_group``, pickled and deep-copied: it binds
@@ -53,6 +56,7 @@ class SparseState:
         process_group: dist.ProcessGroup | None = None,
         *,
         value_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
         **options: Any,
     ) -> None:
         if value_dtype not in VALUE_DTYPES:
@@ -63,6 +67,7 @@ class SparseState:
         self.density = validate_density(density)
         self.options = dict(options)
         self.value_dtype = value_dtype
+        self.timeout = timeout
         self.process_group = process_group
         create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
         self.step = 0
@@ -99,7 +104,8 @@ class SparseState:
         probe = self._make_sparsifier()
         probe.bind(_probe_layout(), rank, world_size)
         rounds = _rounds(probe)
-        groups = [dist.new_group(ranks) for _ in range(rounds)]
+        wait = None if self.timeout is None else timedelta(seconds=self.timeout)
+        groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype)
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
@@ -192,6 +198,7 @@ class SparseState:
         return {
             "args": (self.sparsifier, self.density),
             "value_dtype": self.value_dtype,
+            "timeout": self.timeout,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -199,7 +206,7 @@ class SparseState:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # Process groups do not pickle: the copy binds to the default group on first use.
         SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
-                             **saved["options"])  # fmt: skip
+                             timeout=saved.get("timeout"), **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
 
@@ -218,9 +225,11 @@ class MicroState(SparseState):
         process_group: dist.ProcessGroup | None = None,
         *,
         value_dtype: torch.dtype | None = None,
+        timeout: float | None = None,
         **options: Any,
     ) -> None:
-        super().__init__("micro", density, process_group, value_dtype=value_dtype, **options)
+        super().__init__("micro", density, process_group, value_dtype=value_dtype,
+                         timeout=timeout, **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)

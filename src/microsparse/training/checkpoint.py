@@ -8,14 +8,21 @@
 - ``meta.json``: the position and config, for people and for ``microsparse train --resume``.
 
 Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(...,
-weights_only=True)`` reads them. A new checkpoint is written next to the old one and renamed
-over it once every rank has finished, so an interrupted save leaves the previous one intact.
-Every rank must see ``OUT`` (one machine, or a shared file system).
+weights_only=True)`` reads them. Every rank must see ``OUT`` (one machine, or a shared file
+system).
+
+Saving is atomic: a new checkpoint is written into ``checkpoint.new`` (every file flushed to
+disk, ``meta.json`` last, once every rank's file is there), then the old one is renamed to
+``checkpoint.old``, the new one to ``checkpoint``, and the old one removed. A crash at any
+moment leaves at least one complete checkpoint, and :func:`checkpoint_dir` finds it: the first
+complete one of ``checkpoint``, ``checkpoint.new`` (complete but not yet renamed) and
+``checkpoint.old``. A damaged file raises :class:`CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +57,20 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated or not what this run wrote; names the file."""
+
+
+def checkpoint_dir(out: str | Path) -> Path | None:
+    """The complete checkpoint in ``out`` to resume from, or None if there is none (see the
+    module docstring: an interrupted save may have left it under another name)."""
+    for name in (CHECKPOINT, CHECKPOINT + ".new", CHECKPOINT + ".old"):
+        directory = Path(out, name)
+        if (directory / "meta.json").is_file():
+            return directory
+    return None
+
+
 def save_checkpoint(
     out: str | Path,
     shared: dict[str, Any],
@@ -58,41 +79,102 @@ def save_checkpoint(
 ) -> None:
     """Collective: every rank writes ``own``; rank 0 also ``shared`` and ``meta``."""
     rank = dist.get_rank()
-    final, staging = Path(out, CHECKPOINT), Path(out, CHECKPOINT + ".new")
+    final = Path(out, CHECKPOINT)
+    staging = final.with_name(CHECKPOINT + ".new")
     if rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
-    torch.save(own, staging / f"rank{rank}.pt")
+    _write(staging / f"rank{rank}.pt", lambda f: torch.save(own, f))
+    dist.barrier()  # every rank's file is on disk before meta.json says the whole is
     if rank == 0:
-        torch.save(shared, staging / "shared.pt")
-        (staging / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        _write(staging / "shared.pt", lambda f: torch.save(shared, f))
+        _write(staging / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _sync_directory(staging)
+        swap_in(final)
     dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
-    dist.barrier()
+
+
+def swap_in(final: Path) -> None:
+    """Make ``checkpoint.new`` the checkpoint; at every point one complete checkpoint exists."""
+    staging, old = final.with_name(CHECKPOINT + ".new"), final.with_name(CHECKPOINT + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    _sync_directory(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(path: Path, write: Any) -> None:
+    with open(path, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def load_checkpoint(out: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared, this rank's) parts of ``OUT/checkpoint``."""
-    directory = Path(out, CHECKPOINT)
-    shared = torch.load(directory / "shared.pt", map_location="cpu", weights_only=True)
-    own = torch.load(directory / f"rank{rank}.pt", map_location="cpu", weights_only=True)
-    return shared, own
+    """(shared, this rank's) parts of the checkpoint in ``out``."""
+    directory = checkpoint_dir(out)
+    if directory is None:
+        raise CheckpointError(f"{Path(out, CHECKPOINT)} does not exist: no checkpoint to resume")
+    return read_part(directory / "shared.pt"), read_part(directory / f"rank{rank}.pt")
 
 
-def read_meta(out: str | Path) -> dict[str, Any]:
-    """``OUT/checkpoint/meta.json``: position, world size and config of the last checkpoint.
+def read_part(path: Path) -> dict[str, Any]:
+    """One checkpoint file, or CheckpointError naming it and the fix."""
+    try:
+        part = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint is incomplete; delete {path.parent} to start "
+            "afresh, or restore it from a copy"
+        ) from None
+    except Exception as error:  # noqa: BLE001 - pickle and zip errors of every kind
+        raise CheckpointError(
+            f"{path} cannot be read ({type(error).__name__}: {str(error)[:200]}): the file is "
+            f"damaged; delete {path.parent} to start afresh, or restore it from a copy"
+        ) from None
+    if not isinstance(part, dict):
+        raise CheckpointError(f"{path} does not hold a checkpoint part (a dict)")
+    return part
 
-    Raises FileNotFoundError naming the file if there is none.
-    """
-    path = Path(out, CHECKPOINT, "meta.json")
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} does not exist: no checkpoint to resume (train with --checkpoint-every)"
-        )
-    return json.loads(path.read_text())
+
+def read_meta(out: str | Path) -> dict[str, Any] | None:
+    """The meta.json of the checkpoint in ``out`` (position, world size, config), or None if
+    there is no checkpoint. Raises CheckpointError naming a damaged file."""
+    directory = checkpoint_dir(out)
+    if directory is None:
+        return None
+    path = directory / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"{path} cannot be read ({error}): the checkpoint is damaged; delete {directory} "
+            "to start afresh, or restore it from a copy"
+        ) from None
+    missing = {"world_size", "config", "step"} - set(meta if isinstance(meta, dict) else {})
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(sorted(missing))}: not a checkpoint's")
+    return meta
+
+
+def verify_checkpoint(out: str | Path, world_size: int) -> None:
+    """Read every file of the checkpoint in ``out`` once, so that a damaged one is named
+    before any worker starts."""
+    directory = checkpoint_dir(out)
+    assert directory is not None
+    for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]:
+        read_part(directory / name)
 
 
 class Stateful(Protocol):

@@ -12,7 +12,9 @@ from typing import Any
 from microsparse.training.tasks import Recipe, Task, available_tasks, get_task
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
-RESUMABLE_CHANGES = ("epochs", "max_steps", "progress", "checkpoint_every", "checkpoint_per_epoch")
+RESUMABLE_CHANGES = (
+    "epochs", "max_steps", "progress", "checkpoint_every", "checkpoint_per_epoch", "timeout",
+)  # fmt: skip
 """What may differ from the checkpoint's config when resuming (the rest would not be exact)."""
 
 
@@ -67,6 +69,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
+    timeout: float | None = None  # seconds a collective may wait for a peer; None: torch's
     capture_gradients: str | None = None  # directory for each rank's local gradient per step
     capture_steps: int = 0  # capture steps 0 .. capture_steps - 1
 
@@ -196,8 +199,7 @@ def resume_config(saved: dict[str, Any], changes: dict[str, Any], out: str) -> T
             )
     known = {f.name for f in fields(TrainConfig)}
     values = {name: value for name, value in saved.items() if name in known}
-    values.update(max_steps=None)  # the interrupted run's stop is not the resumed run's
-    values.update(changes, out=out, resume=True)
+    values.update(changes, out=out, resume=True)  # the saved max_steps too, unless changed
     return TrainConfig(**values)
 
 

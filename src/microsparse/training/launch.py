@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def launch(config: TrainConfig, workers: int, data: Any = None) -> None:
             config, env.local_rank, env.local_world_size, "env://", env.rank, env.world_size, data
         )
     except Exception as error:
-        raise WorkerError(_describe(env.rank, error)) from error
+        raise WorkerError(_describe(env.rank, error, config.timeout)) from error
 
 
 def free_port() -> int:
@@ -89,7 +90,12 @@ def _spawn(config: TrainConfig, workers: int, data: Any) -> None:
     errors = mp.get_context("spawn").SimpleQueue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
     try:
-        mp.spawn(_spawned, args=(config, workers, init_method, errors, data), nprocs=workers)
+        context = mp.start_processes(_spawned, args=(config, workers, init_method, errors, data),
+                                     nprocs=workers, join=False, start_method="spawn")  # fmt: skip
+        # Once one worker has failed, the others get 5 s to stop before SIGTERM, then SIGKILL
+        # (a stopped or hung worker ignores SIGTERM).
+        while not context.join(grace_period=5):
+            pass
     except ProcessException as failure:
         # Blame the rank that exited first: the others often fail only because it vanished.
         rank = failure.error_index
@@ -117,7 +123,7 @@ def _spawned(
     try:
         _run_rank(config, local_rank, workers, init_method, local_rank, workers, data)
     except BaseException as error:
-        errors.put((local_rank, _describe(local_rank, error)))
+        errors.put((local_rank, _describe(local_rank, error, config.timeout)))
         raise
 
 
@@ -136,13 +142,35 @@ def _run_rank(
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)
         backend = "nccl"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    _init_process_group(backend, init_method, rank, world_size, config.timeout)
     try:
         train(config, local_rank, data)
     finally:
         dist.destroy_process_group()
 
 
-def _describe(rank: int, error: BaseException) -> str:
+def _init_process_group(
+    backend: str, init_method: str, rank: int, world_size: int, timeout: float | None
+) -> None:
+    wait = None if timeout is None else timedelta(seconds=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if init_method != "env://" or restart is None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=wait)  # fmt: skip
+        return
+    # Under torchrun, restarted workers share the agent's store with the attempt before:
+    # unprefixed, they may read its dead workers' addresses and fail to connect (or hang).
+    extra = {"timeout": wait} if wait else {}
+    store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, **extra))
+    store = dist.PrefixStore(f"microsparse/attempt-{restart}/", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
+
+
+def _describe(rank: int, error: BaseException, timeout: float | None = None) -> str:
     text = " ".join(str(error).split()) or "(no message)"
+    if timeout is not None and "timed out" in text.lower():
+        text += (
+            f" (a peer did not take part in a collective within --timeout {timeout:g} s: it "
+            "is stopped, hung or gone)"
+        )
     return f"rank {rank}: {type(error).__name__}: {text}"[:_MAX_MESSAGE]

@@ -157,7 +157,9 @@ class Averaging:
         self._state: SparseState | None = None
         options = config.sparsifier_options()
         if config.integration == "ddp":
-            self._state = SparseState(config.sparsifier, config.density, **options)
+            self._state = SparseState(
+                config.sparsifier, config.density, timeout=config.timeout, **options
+            )
             self.model = DistributedDataParallel(model)
             self.model.register_comm_hook(self._state, sparse_hook)
         else:
