@@ -4,6 +4,7 @@ checkpointing, damaged checkpoint files. Real processes, real signals, real file
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -14,7 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+import microsparse.ddp as mddp
+from distributed import run_ranks
+from microsparse import GradientReducer
 from microsparse.training import checkpoint
 from microsparse.training.checkpoint import CheckpointError, checkpoint_dir, read_meta, read_part
 from microsparse.training.config import TrainConfig, resume_config
@@ -175,3 +181,107 @@ def test_resuming_keeps_the_saved_stop_unless_told_otherwise() -> None:
     assert resume_config(saved, {"max_steps": 60}, "runs/x").max_steps == 60
     assert resume_config(saved, {"timeout": 30.0}, "runs/x").timeout == 30.0
     assert TrainConfig().timeout is None
+
+
+# ---- non-finite steps that can be skipped ---------------------------------------------------
+
+
+def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
+    """Six steps of made-up gradients; at ``skip_at`` rank 0's gradient has an Inf in the
+    smallest entries (where no selection would look). ``skip_at=None`` leaves that step out."""
+    params = [torch.zeros(600, requires_grad=True), torch.zeros(40, 10, requires_grad=True)]
+    reducer = GradientReducer(params, "micro", 0.02, nonfinite="skip")
+    records = []
+    for step in range(6):
+        if skip_at is None and step == 2:
+            continue
+        generator = torch.Generator().manual_seed(10 * step + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        if step == skip_at and rank == 0:
+            params[0].grad[17] = math.inf
+        stats = reducer.synchronize()
+        records.append({
+            "skipped": stats.skipped,
+            "grads": [p.grad.clone() for p in params],
+            "residual": reducer.residual.clone(),
+            "step": reducer.step,
+        })  # fmt: skip
+    return records
+
+
+def test_a_skipped_step_leaves_no_trace(tmp_path) -> None:
+    """With nonfinite="skip" an Inf anywhere on one rank skips the step on every rank, fills
+    p.grad with NaN, and leaves the state as if the step had never been taken."""
+    skipped = run_ranks(_skip_worker, 2, tmp_path / "a", 2)
+    never = run_ranks(_skip_worker, 2, tmp_path / "b", None)
+    for rank in range(2):
+        assert [r["skipped"] for r in skipped[rank]] == [False, False, True, False, False, False]
+        assert all(torch.isnan(g).all() for g in skipped[rank][2]["grads"])
+        assert skipped[rank][2]["step"] == 2  # not counted
+        assert torch.equal(skipped[rank][2]["residual"], skipped[rank][1]["residual"])
+        after = skipped[rank][:2] + skipped[rank][3:]
+        for got, want in zip(after, never[rank]):
+            assert torch.equal(got["residual"], want["residual"])
+            assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"]))
+
+
+def _scaler_worker(rank: int, n: int, integration: str) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    if integration == "ddp":
+        trained = DDP(model)
+        trained.register_comm_hook(
+            mddp.MicroState(density=0.05, grad_scaler=scaler), mddp.micro_hook
+        )
+        reducer = None
+    else:
+        trained = model
+        reducer = GradientReducer(model, "micro", 0.05, grad_scaler=scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    scales, moved = [], []
+    for step in range(10):
+        optimizer.zero_grad()
+        x = torch.randn(8, 16, generator=generator)
+        if step == 4 and rank == 1:
+            x *= 3e37  # the scaled loss overflows on this rank only
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(trained(x).pow(2).mean()).backward()
+        if reducer is not None:
+            reducer.synchronize()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        moved.append(any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    return {"scales": scales, "moved": moved, "params": [p.detach() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("integration", ["loop", "ddp"])
+def test_grad_scaler_skips_an_overflow_on_every_rank_and_training_goes_on(integration, tmp_path):
+    first, second = run_ranks(_scaler_worker, 2, tmp_path, integration)
+    for result in (first, second):
+        assert result["moved"][4] is False  # the overflowing step changed nothing, anywhere
+        assert all(result["moved"][:4]) and all(result["moved"][5:])
+        assert result["scales"][4] == result["scales"][3] / 2  # the scaler backed off
+    assert first["scales"] == second["scales"]
+    for a, b in zip(first["params"], second["params"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_the_residual_follows_the_grad_scalers_scale() -> None:
+    """The residual holds scaled gradients: when the scale changes, so must the residual."""
+    param = torch.zeros(1000, requires_grad=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(torch.ones(()))  # the scaler makes its scale tensor lazily
+    reducer = GradientReducer([param], "micro", 0.01, grad_scaler=scaler)
+    param.grad = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 256
+    reducer.synchronize()
+    before = reducer.residual.clone()
+    scaler.update(new_scale=1024.0)
+    param.grad = torch.zeros(1000)
+    reducer.synchronize()
+    kept = reducer.residual != 0
+    assert int(kept.sum()) == 1000 - 20  # the 10 sent in each step are gone
+    assert torch.equal(reducer.residual[kept], 4 * before[kept])

@@ -149,7 +149,7 @@ def test_resuming_refuses_changes_that_would_not_continue_exactly():
     saved = {"task": "lm", "lr": 5.0, "max_steps": 10, "decay_epochs": [2]}
     config = resume_config(saved, {"epochs": 9, "decay_epochs": (2,)}, "runs/x")
     assert config.epochs == 9 and config.resume and config.out == "runs/x"
-    assert config.max_steps is None  # a stop given to the interrupted run is not inherited
+    assert config.max_steps == 10  # the run stops where it was told to, unless told otherwise
     with pytest.raises(ConfigError, match="cannot change when resuming") as error:
         resume_config(saved, {"lr": 1.0}, "runs/x")
     assert error.value.field == "lr"

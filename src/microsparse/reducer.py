@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Iterable
@@ -18,7 +19,8 @@ from microsparse.comm.collectives import (
     check_agreement,
 )
 from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
-from microsparse.feedback import ErrorFeedback
+from microsparse.errors import NonFiniteGradientError
+from microsparse.feedback import NONFINITE, ErrorFeedback, ResidualScale
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
 from microsparse.stats import StepStats
@@ -54,13 +56,30 @@ class GradientReducer:
         collectives: run the step's collectives on this object instead of a process group
             (anything with ``rank``, ``world_size`` and ``run(request)``, see
             :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.
+        nonfinite: what a NaN or Inf does (see below): ``"raise"`` (default) or ``"skip"``.
+        grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients are synchronised
+            (fp16 mixed precision; implies ``nonfinite="skip"``): the residual, kept in scaled
+            units, is rescaled whenever the scaler changes its scale.
         **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
 
-    Non-finite gradients: if any rank sends a NaN or Inf, every rank raises
-    :class:`microsparse.NonFiniteGradientError` in the same step, naming the step and (on the
-    ranks that sent it) the parameters. Selection counts a NaN as larger than anything, so it
-    is sent, and seen, within n steps of reaching a residual. Nothing is written into
-    ``p.grad``; the residual is not usable afterwards (restore a checkpoint).
+    Non-finite gradients. With ``nonfinite="raise"``, if any rank sends a NaN or Inf, every
+    rank raises :class:`microsparse.NonFiniteGradientError` in the same step, naming the step
+    and the parameters. Selection counts a NaN as larger than anything, so it is sent, and
+    seen, within n steps of reaching a residual. Nothing is written into ``p.grad``; the
+    residual is not usable afterwards (restore a checkpoint). With ``nonfinite="skip"`` a NaN
+    or Inf *anywhere* in any rank's gradient skips the step on every rank: the residual, the
+    sparsifier and the step counter stay exactly as before the call, every ``p.grad`` is set to
+    NaN (so that ``GradScaler.step`` skips the optimiser and lowers its scale) and the returned
+    statistics say ``skipped``. This costs one more write pass and one read pass per step.
+
+    The fp16 pattern::
+
+        scaler = torch.amp.GradScaler()
+        reducer = GradientReducer(model, "micro", 0.001, grad_scaler=scaler)
+        scaler.scale(loss).backward()
+        reducer.synchronize()      # on the scaled gradients; an overflow skips the step
+        scaler.step(optimizer)     # unscales the average, or skips it
+        scaler.update()
 
     Construction is collective: every rank must build its reducer with the same parameter
     shapes, sparsifier and options, or all ranks raise :class:`microsparse.ConfigMismatchError`.
@@ -84,8 +103,14 @@ class GradientReducer:
         process_group: dist.ProcessGroup | None = None,
         value_dtype: torch.dtype | None = None,
         collectives: Collectives | None = None,
+        nonfinite: str = "raise",
+        grad_scaler: Any = None,
         **options: Any,
     ) -> None:
+        if grad_scaler is not None:
+            nonfinite = "skip"
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'raise' or 'skip'; got {nonfinite!r}")
         if value_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
@@ -102,9 +127,11 @@ class GradientReducer:
         self.sparsifier = create_sparsifier(sparsifier, density, **options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
-        self._feedback = ErrorFeedback(self.layout, dtype, first.device)
+        self.nonfinite = nonfinite
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device, nonfinite == "skip")
         self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype)
         self._output = GradientOutput(self._params, self.layout)
+        self._scaling = ResidualScale(grad_scaler)
         self.step = 0
         self.last_step: StepStats | None = None
         """Statistics of the most recent :meth:`synchronize`, or ``None`` before the first."""
@@ -126,13 +153,26 @@ class GradientReducer:
     @property
     def residual(self) -> torch.Tensor:
         """This worker's error-feedback residual e as one flat vector (do not modify)."""
-        return self._feedback.accumulated
+        return self._feedback.residual
 
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         began = time.perf_counter()
+        self._scaling.follow(self._feedback.residual)
         fresh = [p.grad for p in self._params]
-        report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
+        try:
+            report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
+        except NonFiniteGradientError:
+            self._engine.rollback()
+            if self.nonfinite == "raise":
+                raise
+            self._output.poison()
+            self.last_step = skipped_stats(self.step, self.sparsifier, self._engine)
+            return self.last_step
+        except BaseException:
+            self._engine.rollback()
+            raise
+        self._engine.commit()
         wall = time.perf_counter() - began
         self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, wall)
         self.step += 1
@@ -142,8 +182,8 @@ class GradientReducer:
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
         return (
             f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
-            f"{sorted(self.sparsifier.options().items())}|{self._feedback.accumulated.dtype}|"
-            f"{self.value_dtype}"
+            f"{sorted(self.sparsifier.options().items())}|{self._feedback.residual.dtype}|"
+            f"{self.value_dtype}|{self.nonfinite}"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,9 +194,10 @@ class GradientReducer:
         """
         return {
             "step": self.step,
-            "residual": self._feedback.accumulated.clone(),
+            "residual": self._feedback.residual.clone(),
             "sparsifier": self.sparsifier.state_dict(),
             "fingerprint": self._fingerprint(),
+            "scale": self._scaling.scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -166,9 +207,10 @@ class GradientReducer:
                 "state was saved by a reducer with a different layout, sparsifier, density or "
                 f"options ({state.get('fingerprint')!r} vs {self._fingerprint()!r})"
             )
-        self._feedback.accumulated.copy_(state["residual"])
+        self._feedback.residual.copy_(state["residual"])
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
+        self._scaling.scale = state.get("scale")
 
 
 def step_stats(
@@ -176,7 +218,7 @@ def step_stats(
 ) -> StepStats:
     """The public :class:`StepStats` of one blocking step (its waiting is exchange time)."""
     numel, n = sparsifier.layout.numel, sparsifier.world_size
-    element = engine.feedback.accumulated.element_size()
+    element = engine.feedback.residual.element_size()
     return StepStats(
         step=step,
         numel=numel,
@@ -195,6 +237,15 @@ def step_stats(
         proposed=report.proposed,
         exchange=engine.framing.label,
     )
+
+
+def skipped_stats(step: int, sparsifier: Any, engine: SparseStep) -> StepStats:
+    """The statistics of a step skipped for a non-finite gradient: nothing was averaged."""
+    numel, n = sparsifier.layout.numel, sparsifier.world_size
+    element = engine.feedback.residual.element_size()
+    return StepStats(step, numel, n, 0, sparsifier.target, math.nan, 0, 0, None, 0,
+                     all_reduce_bytes(numel * element, n), 0.0, 0.0, skipped=True,
+                     exchange=engine.framing.label)  # fmt: skip
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

@@ -50,7 +50,9 @@ class StepStats:
     proposed: int = 0
     """Σ_r of every rank's proposals before deduplication (K for exclusive, shared and dense)."""
     exchange: str = ""
-    """How proposals were combined: ``exclusive``, ``union``, ``shared`` or ``dense``."""
+    """The index framing: ``fixed``, ``padded``, ``union``, ``shared`` or ``dense``."""
+    skipped: bool = False
+    """The step found a NaN or Inf and was skipped (``nonfinite="skip"``): nothing averaged."""
 
     @property
     def density(self) -> float:

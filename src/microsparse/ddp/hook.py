@@ -10,6 +10,7 @@ from microsparse.ddp.slabs import Job
 from microsparse.ddp.state import PassRecord, SparseState, _Binding
 from microsparse.engine import StepReport
 from microsparse.engine.step import Protocol_
+from microsparse.errors import NonFiniteGradientError
 
 
 def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -78,9 +79,12 @@ class _Chain:
         self, state: SparseState, binding: _Binding, record: PassRecord, job: Job, sequence: int
     ) -> None:
         self.binding, self.record, self.job, self.sequence = binding, record, job, sequence
+        self.skips = state.nonfinite == "skip"
         self.protocol: Protocol_ = job.slab.engine.run(
             state.step, job.fresh, job.output, job.exclude
         )
+        with record.lock:
+            record.ran.append(job)
 
     def start(self) -> None:
         self._resume(-1, None)
@@ -93,6 +97,14 @@ class _Chain:
                 raise RuntimeError(f"the step asked for more than {following} collective rounds")
         except StopIteration as done:
             self._end(following, done.value)
+            return
+        except NonFiniteGradientError as error:
+            if self.skips:  # every rank saw it in the same sum: the pass is skipped
+                self.job.output.poison()  # GradScaler then sees the overflow and skips too
+                self.record.skipped = True
+            else:
+                self.record.fail(error)
+            self._end(following, None)
             return
         except BaseException as error:  # noqa: BLE001 - every error must reach backward()
             self.record.fail(error)
@@ -144,6 +156,7 @@ def _slab_done(record: PassRecord, key: object) -> None:
 
 
 def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
+    state.scaling.follow(*(slab.feedback.residual for slab in binding.slabs.slabs))
     record = PassRecord(state.step)
     binding.current = record
     for launcher in binding.launchers:
@@ -158,11 +171,20 @@ def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
 
 
 def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None:
-    """After DDP has finished the pass: publish its statistics, or raise its error."""
+    """After DDP has finished the pass: commit every slab's step and publish the statistics,
+    or roll them all back, and skip the pass (a NaN or Inf with ``nonfinite="skip"``) or
+    raise its error."""
     binding.current = None
     binding.slabs.end_pass()
-    if record.error is not None:
-        raise record.error
+    if record.error is not None or record.skipped:
+        for job in record.ran:
+            job.slab.engine.rollback()
+        if record.error is not None:
+            raise record.error
+        state.last_step = record.skipped_stats(binding.world_size)
+        return
+    for job in record.ran:
+        job.slab.engine.commit()
     if record.reports:
         state.last_step = record.stats(binding.world_size)
     state.step += 1

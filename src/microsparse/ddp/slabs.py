@@ -55,6 +55,7 @@ class Slab:
         rank: int,
         world_size: int,
         value_dtype: torch.dtype | None,
+        transactional: bool = False,
     ) -> None:
         self.params = tuple(params)
         self.indices = tuple(indices)
@@ -65,7 +66,7 @@ class Slab:
         dtype = torch.promote_types(torch.float32, params[0].dtype)
         for p in params:
             dtype = torch.promote_types(dtype, p.dtype)
-        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device)
+        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional)
         self.engine = SparseStep(sparsifier, self.feedback, value_dtype)
         self._output: SparseOutput | None = None
 
@@ -121,6 +122,10 @@ class PiecesOutput:
             inside = (positions >= offset) & (positions < offset + size)
             flat.index_copy_(0, positions[inside] - offset, values[inside].to(flat.dtype))
 
+    def poison(self) -> None:
+        for view in self._views:
+            view.fill_(float("nan"))
+
     def dense(self, fresh: object) -> torch.Tensor:
         raise NotImplementedError("dense slabs always follow DDP's buckets one to one")
 
@@ -150,8 +155,10 @@ class Slabs:
         rank: int,
         world_size: int,
         value_dtype: torch.dtype | None,
+        transactional: bool = False,
     ) -> None:
         self._make = make_sparsifier
+        self.transactional = transactional
         self.rank = rank
         self.world_size = world_size
         self.value_dtype = value_dtype
@@ -159,7 +166,8 @@ class Slabs:
         """Parameters in the order first met: on a fresh DDP model fixed by its definition."""
         self._index: dict[int, int] = {}
         self._slab_of: dict[int, Slab] = {}
-        self.residuals: dict[int, torch.Tensor] = {}
+        self._place: dict[int, tuple[Slab, int]] = {}  # parameter -> (its slab, its index)
+        self._loaded: dict[int, torch.Tensor] = {}  # restored residuals not yet in a slab
         """Every parameter's residual (by ``id``): a view into its slab's."""
         self._used_in: dict[int, int] = {}
         self._met_in: dict[int, int] = {}
@@ -240,7 +248,7 @@ class Slabs:
                     f"parameters (parameter {index} has {param.numel()} elements); restore into "
                     "the same model definition, before its first backward pass"
                 )
-            self.residuals[id(param)] = saved[index].reshape(-1)
+            self._loaded[id(param)] = saved[index].reshape(-1)
         # Marks the pass in which autograd gave the parameter a gradient on this rank; it runs
         # before DDP's own hook for it. Unused parameters (find_unused_parameters=True) are then
         # not proposed: DDP drops their average, which would lose what their residual sent.
@@ -258,13 +266,13 @@ class Slabs:
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
         slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype)  # fmt: skip
-        for p, view in zip(params, slab.feedback.views):
-            view = view.view(-1)
-            previous = self.residuals.get(id(p))
+                    self.value_dtype, self.transactional)  # fmt: skip
+        for index, (p, view) in enumerate(zip(params, slab.feedback.views)):
+            previous = self.residual(p)
             if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along
-                view.copy_(previous)
-            self.residuals[id(p)] = view
+                view.view(-1).copy_(previous)
+            self._loaded.pop(id(p), None)
+            self._place[id(p)] = (slab, index)
             self._slab_of[id(p)] = slab
         return slab
 
@@ -285,6 +293,14 @@ class Slabs:
             ready.append((number, slab))
         return ready
 
+    def residual(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s residual (flat; a view into its slab's), None before it is met."""
+        place = self._place.get(id(param))
+        if place is None:
+            return self._loaded.get(id(param))
+        slab, index = place
+        return slab.feedback.views[index].view(-1)
+
     @property
     def slabs(self) -> list[Slab]:
         """The current slabs, in the order of their first parameter."""
@@ -296,7 +312,7 @@ class Slabs:
     def state(self) -> dict[str, object]:
         slabs = self.slabs
         return {
-            "residuals": [self.residuals[id(p)].detach().clone() for p in self.order],
+            "residuals": [self.residual(p).detach().clone() for p in self.order],
             "slabs": [list(slab.indices) for slab in slabs],
             "states": [slab.sparsifier.state_dict() for slab in slabs],
         }

@@ -15,6 +15,7 @@ from microsparse.comm.framing import Dense, Padded
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
+from microsparse.feedback import NONFINITE, ResidualScale
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
@@ -36,6 +37,14 @@ class SparseState:
             every sparsifier averages densely, exactly as DDP does.
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
+        nonfinite: ``"raise"`` (default): a NaN or Inf that any rank sends raises
+            ``NonFiniteGradientError`` from ``backward()`` on every rank. ``"skip"``: a NaN or
+            Inf anywhere skips the pass on every rank, leaving every residual, sparsifier and
+            the step counter as they were, and the buckets hold NaN, so that
+            ``torch.amp.GradScaler`` skips the optimiser step (one more write and one read
+            pass per step).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (implies ``"skip"``): the
+            residuals, in scaled units, are rescaled whenever it changes its scale.
         timeout: seconds the hook's own collectives may wait for a peer (``None``: torch's
             default for new process groups; it does not inherit the default group's).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
@@ -57,8 +66,14 @@ class SparseState:
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        nonfinite: str = "raise",
+        grad_scaler: Any = None,
         **options: Any,
     ) -> None:
+        if grad_scaler is not None:
+            nonfinite = "skip"
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'raise' or 'skip'; got {nonfinite!r}")
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
@@ -68,6 +83,8 @@ class SparseState:
         self.options = dict(options)
         self.value_dtype = value_dtype
         self.timeout = timeout
+        self.nonfinite = nonfinite
+        self.scaling = ResidualScale(grad_scaler)
         self.process_group = process_group
         create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
         self.step = 0
@@ -106,7 +123,8 @@ class SparseState:
         rounds = _rounds(probe)
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
-        slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype)
+        slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
+                      self.nonfinite == "skip")  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -118,9 +136,10 @@ class SparseState:
 
     def residual(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's residual of ``param`` (flat; do not modify), once the hook has met it."""
-        if self._binding is None or id(param) not in self._binding.slabs.residuals:
+        residual = None if self._binding is None else self._binding.slabs.residual(param)
+        if residual is None:
             raise KeyError("the hook has not met this parameter yet (no backward pass so far)")
-        return self._binding.slabs.residuals[id(param)]
+        return residual
 
     @property
     def rank(self) -> int | None:
@@ -138,6 +157,7 @@ class SparseState:
             "density": self.density,
             "options": sorted(self.options.items()),
             "value_dtype": str(self.value_dtype),
+            "nonfinite": self.nonfinite,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,6 +181,7 @@ class SparseState:
             "rank": rank,
             "world_size": world_size,
             "slabs": slabs,
+            "scale": self.scaling.scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -184,6 +205,7 @@ class SparseState:
         else:
             self._pending = state
         self.step = int(state["step"])
+        self.scaling.scale = state.get("scale")
 
     @staticmethod
     def _check_saved_by(state: dict[str, Any], rank: int, world_size: int) -> None:
@@ -199,6 +221,7 @@ class SparseState:
             "args": (self.sparsifier, self.density),
             "value_dtype": self.value_dtype,
             "timeout": self.timeout,
+            "nonfinite": self.nonfinite,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -206,7 +229,8 @@ class SparseState:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # Process groups do not pickle: the copy binds to the default group on first use.
         SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
-                             timeout=saved.get("timeout"), **saved["options"])  # fmt: skip
+                             timeout=saved.get("timeout"), nonfinite=saved["nonfinite"],
+                             **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
 
@@ -226,10 +250,13 @@ class MicroState(SparseState):
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
+        nonfinite: str = "raise",
+        grad_scaler: Any = None,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
-                         timeout=timeout, **options)  # fmt: skip
+                         timeout=timeout, nonfinite=nonfinite, grad_scaler=grad_scaler,
+                         **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)
@@ -255,7 +282,10 @@ class PassRecord:
 
     step: int
     reports: list[tuple[Job, StepReport]] = field(default_factory=list)
+    ran: list[Job] = field(default_factory=list)
+    """Every slab step started this pass (committed or rolled back together at its end)."""
     error: BaseException | None = None
+    skipped: bool = False
     buckets: dict[int, tuple[torch.futures.Future, torch.Tensor, set]] = field(
         default_factory=dict
     )
@@ -267,6 +297,13 @@ class PassRecord:
         with self.lock:
             if self.error is None:
                 self.error = error
+
+    def skipped_stats(self, world_size: int) -> StepStats:
+        numel = sum(job.slab.layout.numel for job in self.ran)
+        target = sum(job.slab.sparsifier.target for job in self.ran)
+        dense = all_reduce_bytes(numel * 4, world_size)
+        return StepStats(self.step, numel, world_size, 0, target, float("nan"), 0, 0, None, 0,
+                         dense, 0.0, 0.0, skipped=True)  # fmt: skip
 
     def stats(self, world_size: int) -> StepStats:
         reports = [report for _, report in self.reports]

@@ -10,6 +10,7 @@ parameters' gradients; the DDP hook returns one to DDP, which copies it into the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,9 @@ class FlatOutput:
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self.data.zero_()
         self.data.index_copy_(0, positions, values.to(self.data.dtype))
+
+    def poison(self) -> None:
+        self.data.fill_(math.nan)
 
     def dense(self, fresh: Fresh) -> torch.Tensor:
         if fresh is not self.data:
@@ -72,6 +76,12 @@ class SparseOutput:
 
     def _written_by_us(self) -> None:
         self._version = self.data._version
+
+    def poison(self) -> None:
+        """Fill with NaN: a skipped step, which ``torch.amp.GradScaler`` then skips too."""
+        self.data.fill_(math.nan)
+        self._written_by_us()
+        self._version = -1  # every entry written: the next write must zero the whole buffer
 
     def dense(self, fresh: Fresh) -> torch.Tensor:
         self.data.copy_(fresh if isinstance(fresh, torch.Tensor) else torch.cat(

@@ -15,6 +15,13 @@ whole protocol of one step, top to bottom:
 6. **finish**: check the sum is finite (a NaN or Inf that any rank sent shows in it on every
    rank), divide by n, write the sparse average, tell the sparsifier the global count.
 
+The driver then commits the step (:meth:`~SparseStep.commit`), or rolls it back
+(:meth:`~SparseStep.rollback`) after an error. With a transactional residual
+(``ErrorFeedback(..., transactional=True)``) a rolled-back step leaves no trace, and every
+entry is checked, not only those sent: each rank adds one slot to the values it all-reduces,
+NaN if its accumulated gradient holds a NaN or Inf anywhere, so that every rank sees any
+rank's non-finite gradient in the same sum.
+
 It never calls ``torch.distributed``. It *yields* each collective as a
 :class:`~microsparse.comm.Collective` request and is sent the result, so one protocol serves
 a blocking driver (:func:`run_blocking`, used by ``GradientReducer``), a future-chain driver
@@ -39,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -124,11 +132,13 @@ class SparseStep:
         parameters it did not use, whose average DDP would drop); a leader's plan, which fixes
         every rank's count, is followed as it is.
         """
+        self._snapshot = self.sparsifier.state_dict()
         if isinstance(self.framing, Dense):
             return (yield from self._dense(step, fresh, output))
         clock = _Clock()
-        sparsifier, accumulated = self.sparsifier, self.feedback.accumulated
+        sparsifier = self.sparsifier
         self.feedback.compensate(fresh)
+        accumulated = self.feedback.accumulated
         counts = yield from clock.local(self._pre_selection(accumulated, step))
         local = sparsifier.select(accumulated, step)
         if exclude and counts is None:  # a plan fixed every rank's count: keep it
@@ -146,9 +156,15 @@ class SparseStep:
         values = self._values(positions)
         # Known before the sum overwrites them; read only if the sum is not finite.
         mine = values.numel() > 0 and any_nonfinite(values)
+        if self.feedback.transactional:  # anything non-finite anywhere fails every rank
+            anywhere = any_nonfinite(accumulated)
+            mine = anywhere
+            flag = torch.where(anywhere, math.nan, 0.0).to(values.dtype).reshape(1)
+            values = torch.cat([values, flag])
         summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
         if summed.numel() and bool(any_nonfinite(summed)):
-            raise self._nonfinite(step, positions, summed, bool(mine))
+            raise self._nonfinite(step, positions, summed[: positions.numel()], bool(mine))
+        summed = summed[: positions.numel()]
         averaged = summed.to(accumulated.dtype) if self.value_dtype else summed
         output.write(positions, averaged.div_(self.world_size))
         sparsifier.update(positions.numel())
@@ -166,6 +182,15 @@ class SparseStep:
             local_proposed=exchanged.local_proposed,
             message_bytes=clock.message_bytes(),
         )
+
+    def commit(self) -> None:
+        """The step that just ran is the new state (a transactional residual takes its a)."""
+        self.feedback.commit()
+
+    def rollback(self) -> None:
+        """Undo the step that just failed: the sparsifier's state as before it, and (with a
+        transactional residual) the residual too; the driver does not count the step."""
+        self.sparsifier.load_state_dict(self._snapshot)
 
     def _pre_selection(self, accumulated: torch.Tensor, step: int) -> Generator[
         Collective, torch.Tensor, list[int] | None
@@ -222,7 +247,7 @@ class SparseStep:
         if positions is None:  # dense: the sum is the whole vector
             positions = torch.arange(summed.numel(), device=summed.device)
         bad = positions[~torch.isfinite(summed)][:100].tolist()
-        names = sorted({layout.locate(p) for p in bad})
+        names = sorted({layout.locate(p) for p in bad}) or ["positions not sent this step"]
         whose = (
             "this rank sent non-finite values"
             if own

@@ -1,5 +1,11 @@
 """What is kept back: error feedback over one flat residual vector."""
 
-from microsparse.feedback.residual import ErrorFeedback, Fresh, any_nonfinite
+from microsparse.feedback.residual import (
+    NONFINITE,
+    ErrorFeedback,
+    Fresh,
+    ResidualScale,
+    any_nonfinite,
+)
 
-__all__ = ["ErrorFeedback", "Fresh", "any_nonfinite"]
+__all__ = ["NONFINITE", "ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite"]
