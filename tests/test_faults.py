@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse.ddp as mddp
 from distributed import run_ranks
-from microsparse import GradientReducer
+from microsparse import GradientReducer, NonFiniteGradientError
 from microsparse.training import checkpoint
 from microsparse.training.checkpoint import CheckpointError, checkpoint_dir, read_meta, read_part
 from microsparse.training.config import TrainConfig, resume_config
@@ -190,7 +190,7 @@ def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
     """Six steps of made-up gradients; at ``skip_at`` rank 0's gradient has an Inf in the
     smallest entries (where no selection would look). ``skip_at=None`` leaves that step out."""
     params = [torch.zeros(600, requires_grad=True), torch.zeros(40, 10, requires_grad=True)]
-    reducer = GradientReducer(params, "micro", 0.02, nonfinite="skip")
+    reducer = GradientReducer(params, "micro", 0.02, transactional=True)
     records = []
     for step in range(6):
         if skip_at is None and step == 2:
@@ -200,9 +200,13 @@ def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
             p.grad = torch.randn(p.shape, generator=generator)
         if step == skip_at and rank == 0:
             params[0].grad[17] = math.inf
-        stats = reducer.synchronize()
+        try:
+            reducer.synchronize()
+            raised = False
+        except NonFiniteGradientError as error:
+            raised = str(error).startswith(f"step {step}: NaN or Inf gradient")
         records.append({
-            "skipped": stats.skipped,
+            "raised": raised,
             "grads": [p.grad.clone() for p in params],
             "residual": reducer.residual.clone(),
             "step": reducer.step,
@@ -211,13 +215,13 @@ def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
 
 
 def test_a_skipped_step_leaves_no_trace(tmp_path) -> None:
-    """With nonfinite="skip" an Inf anywhere on one rank skips the step on every rank, fills
-    p.grad with NaN, and leaves the state as if the step had never been taken."""
+    """With transactional=True an Inf anywhere on one rank raises on every rank in that step
+    and leaves the state as if the step had never been taken; p.grad is left as it was."""
     skipped = run_ranks(_skip_worker, 2, tmp_path / "a", 2)
     never = run_ranks(_skip_worker, 2, tmp_path / "b", None)
     for rank in range(2):
-        assert [r["skipped"] for r in skipped[rank]] == [False, False, True, False, False, False]
-        assert all(torch.isnan(g).all() for g in skipped[rank][2]["grads"])
+        assert [r["raised"] for r in skipped[rank]] == [False, False, True, False, False, False]
+        assert torch.isinf(skipped[rank][2]["grads"][0]).any() == (rank == 0)  # untouched
         assert skipped[rank][2]["step"] == 2  # not counted
         assert torch.equal(skipped[rank][2]["residual"], skipped[rank][1]["residual"])
         after = skipped[rank][:2] + skipped[rank][3:]
@@ -285,3 +289,34 @@ def test_the_residual_follows_the_grad_scalers_scale() -> None:
     kept = reducer.residual != 0
     assert int(kept.sum()) == 1000 - 20  # the 10 sent in each step are gone
     assert torch.equal(reducer.residual[kept], 4 * before[kept])
+
+
+def _hook_skip_worker(rank: int, n: int, skip_at: int | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    ddp = DDP(model, bucket_cap_mb=0.001)  # several slabs, rolled back together
+    state = mddp.MicroState(density=0.05, transactional=True)
+    ddp.register_comm_hook(state, mddp.micro_hook)
+    residuals = []
+    for step in range(6):
+        if skip_at is None and step == 2:
+            continue
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        if step == skip_at and rank == 1:
+            x[0, 0] = math.inf
+        model.zero_grad()
+        try:
+            ddp(x).pow(2).mean().backward()
+        except NonFiniteGradientError:
+            assert step == skip_at and state.step == 2
+        residuals.append(torch.cat([state.residual(p) for p in model.parameters()]).clone())
+    return residuals
+
+
+def test_a_transactional_hook_pass_that_raises_leaves_no_trace(tmp_path) -> None:
+    skipped = run_ranks(_hook_skip_worker, 2, tmp_path / "a", 2)
+    never = run_ranks(_hook_skip_worker, 2, tmp_path / "b", None)
+    for rank in range(2):
+        assert torch.equal(skipped[rank][2], skipped[rank][1])  # the failed pass left nothing
+        after = skipped[rank][:2] + skipped[rank][3:]
+        assert all(torch.equal(a, b) for a, b in zip(after, never[rank]))

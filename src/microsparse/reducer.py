@@ -20,7 +20,7 @@ from microsparse.comm.collectives import (
 )
 from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
 from microsparse.errors import NonFiniteGradientError
-from microsparse.feedback import NONFINITE, ErrorFeedback, ResidualScale
+from microsparse.feedback import ErrorFeedback, ResidualScale
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
 from microsparse.stats import StepStats
@@ -56,21 +56,25 @@ class GradientReducer:
         collectives: run the step's collectives on this object instead of a process group
             (anything with ``rank``, ``world_size`` and ``run(request)``, see
             :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.
-        nonfinite: what a NaN or Inf does (see below): ``"raise"`` (default) or ``"skip"``.
+        transactional: a failed step (see below) leaves no trace: the residual, the sparsifier
+            and the step counter stay exactly as before the call. Costs one more write and one
+            more read pass over d per step.
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients are synchronised
-            (fp16 mixed precision; implies ``nonfinite="skip"``): the residual, kept in scaled
-            units, is rescaled whenever the scaler changes its scale.
+            (fp16 mixed precision; implies ``transactional``): an overflow skips the step on
+            every rank without raising, and the residual, kept in scaled units, is rescaled
+            whenever the scaler changes its scale.
         **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
 
-    Non-finite gradients. With ``nonfinite="raise"``, if any rank sends a NaN or Inf, every
-    rank raises :class:`microsparse.NonFiniteGradientError` in the same step, naming the step
-    and the parameters. Selection counts a NaN as larger than anything, so it is sent, and
-    seen, within n steps of reaching a residual. Nothing is written into ``p.grad``; the
-    residual is not usable afterwards (restore a checkpoint). With ``nonfinite="skip"`` a NaN
-    or Inf *anywhere* in any rank's gradient skips the step on every rank: the residual, the
-    sparsifier and the step counter stay exactly as before the call, every ``p.grad`` is set to
-    NaN (so that ``GradScaler.step`` skips the optimiser and lowers its scale) and the returned
-    statistics say ``skipped``. This costs one more write pass and one read pass per step.
+    Non-finite gradients. If any rank sends a NaN or Inf, every rank raises
+    :class:`microsparse.NonFiniteGradientError` in the same step, naming the step and the
+    parameters; nothing is written into ``p.grad``. Selection counts a NaN as larger than
+    anything, so it is sent, and seen, within n steps of reaching a residual, and the residual
+    is not usable afterwards (restore a checkpoint). With ``transactional=True`` a NaN or Inf
+    *anywhere* in any rank's gradient raises on every rank in that step, and the state is
+    exactly as before the call: catch the error and go on with the next batch. With a
+    ``grad_scaler`` it does not raise: every ``p.grad`` is set to NaN, so that
+    ``GradScaler.step`` skips the optimiser and lowers its scale on every rank, and the returned
+    statistics say ``skipped``.
 
     The fp16 pattern::
 
@@ -103,14 +107,10 @@ class GradientReducer:
         process_group: dist.ProcessGroup | None = None,
         value_dtype: torch.dtype | None = None,
         collectives: Collectives | None = None,
-        nonfinite: str = "raise",
+        transactional: bool = False,
         grad_scaler: Any = None,
         **options: Any,
     ) -> None:
-        if grad_scaler is not None:
-            nonfinite = "skip"
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be 'raise' or 'skip'; got {nonfinite!r}")
         if value_dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
@@ -127,8 +127,8 @@ class GradientReducer:
         self.sparsifier = create_sparsifier(sparsifier, density, **options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
-        self.nonfinite = nonfinite
-        self._feedback = ErrorFeedback(self.layout, dtype, first.device, nonfinite == "skip")
+        self.transactional = bool(transactional) or grad_scaler is not None
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional)
         self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype)
         self._output = GradientOutput(self._params, self.layout)
         self._scaling = ResidualScale(grad_scaler)
@@ -164,9 +164,9 @@ class GradientReducer:
             report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
         except NonFiniteGradientError:
             self._engine.rollback()
-            if self.nonfinite == "raise":
+            if self._scaling.scaler is None:
                 raise
-            self._output.poison()
+            self._output.poison()  # the scaler sees the overflow, skips, and backs off
             self.last_step = skipped_stats(self.step, self.sparsifier, self._engine)
             return self.last_step
         except BaseException:
@@ -183,7 +183,7 @@ class GradientReducer:
         return (
             f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
             f"{sorted(self.sparsifier.options().items())}|{self._feedback.residual.dtype}|"
-            f"{self.value_dtype}|{self.nonfinite}"
+            f"{self.value_dtype}|{self.transactional}"
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class StepStats:
     exchange: str = ""
     """The index framing: ``fixed``, ``padded``, ``union``, ``shared`` or ``dense``."""
     skipped: bool = False
-    """The step found a NaN or Inf and was skipped (``nonfinite="skip"``): nothing averaged."""
+    """A NaN or Inf skipped the step (with a ``grad_scaler``): nothing averaged or kept."""
 
     @property
     def density(self) -> float:

@@ -79,7 +79,7 @@ class _Chain:
         self, state: SparseState, binding: _Binding, record: PassRecord, job: Job, sequence: int
     ) -> None:
         self.binding, self.record, self.job, self.sequence = binding, record, job, sequence
-        self.skips = state.nonfinite == "skip"
+        self.skips = state.scaling.scaler is not None
         self.protocol: Protocol_ = job.slab.engine.run(
             state.step, job.fresh, job.output, job.exclude
         )
@@ -172,8 +172,8 @@ def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
 
 def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None:
     """After DDP has finished the pass: commit every slab's step and publish the statistics,
-    or roll them all back, and skip the pass (a NaN or Inf with ``nonfinite="skip"``) or
-    raise its error."""
+    or roll them all back, and skip the pass (an overflow under a ``grad_scaler``) or raise
+    its error."""
     binding.current = None
     binding.slabs.end_pass()
     if record.error is not None or record.skipped:

@@ -15,7 +15,7 @@ from microsparse.comm.framing import Dense, Padded
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
-from microsparse.feedback import NONFINITE, ResidualScale
+from microsparse.feedback import ResidualScale
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
@@ -37,14 +37,14 @@ class SparseState:
             every sparsifier averages densely, exactly as DDP does.
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
-        nonfinite: ``"raise"`` (default): a NaN or Inf that any rank sends raises
-            ``NonFiniteGradientError`` from ``backward()`` on every rank. ``"skip"``: a NaN or
-            Inf anywhere skips the pass on every rank, leaving every residual, sparsifier and
-            the step counter as they were, and the buckets hold NaN, so that
-            ``torch.amp.GradScaler`` skips the optimiser step (one more write and one read
-            pass per step).
-        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (implies ``"skip"``): the
-            residuals, in scaled units, are rescaled whenever it changes its scale.
+        transactional: a failed pass (a NaN or Inf anywhere in any rank's gradient, ranks at
+            different steps) leaves every residual, sparsifier and the step counter exactly as
+            they were before it; the error is raised from ``backward()`` on every rank (one
+            more write and one more read pass per step).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (implies
+            ``transactional``): an overflow does not raise; the buckets hold NaN, so that the
+            scaler skips the optimiser step and backs off on every rank, and the residuals, in
+            scaled units, are rescaled whenever it changes its scale.
         timeout: seconds the hook's own collectives may wait for a peer (``None``: torch's
             default for new process groups; it does not inherit the default group's).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
@@ -66,14 +66,10 @@ class SparseState:
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
-        nonfinite: str = "raise",
+        transactional: bool = False,
         grad_scaler: Any = None,
         **options: Any,
     ) -> None:
-        if grad_scaler is not None:
-            nonfinite = "skip"
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be 'raise' or 'skip'; got {nonfinite!r}")
         if value_dtype not in VALUE_DTYPES:
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
@@ -83,7 +79,7 @@ class SparseState:
         self.options = dict(options)
         self.value_dtype = value_dtype
         self.timeout = timeout
-        self.nonfinite = nonfinite
+        self.transactional = bool(transactional) or grad_scaler is not None
         self.scaling = ResidualScale(grad_scaler)
         self.process_group = process_group
         create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
@@ -124,7 +120,7 @@ class SparseState:
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.nonfinite == "skip")  # fmt: skip
+                      self.transactional)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -157,7 +153,7 @@ class SparseState:
             "density": self.density,
             "options": sorted(self.options.items()),
             "value_dtype": str(self.value_dtype),
-            "nonfinite": self.nonfinite,
+            "transactional": self.transactional,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,7 +217,7 @@ class SparseState:
             "args": (self.sparsifier, self.density),
             "value_dtype": self.value_dtype,
             "timeout": self.timeout,
-            "nonfinite": self.nonfinite,
+            "transactional": self.transactional,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -229,7 +225,7 @@ class SparseState:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # Process groups do not pickle: the copy binds to the default group on first use.
         SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
-                             timeout=saved.get("timeout"), nonfinite=saved["nonfinite"],
+                             timeout=saved.get("timeout"), transactional=saved["transactional"],
                              **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
@@ -250,12 +246,12 @@ class MicroState(SparseState):
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
-        nonfinite: str = "raise",
+        transactional: bool = False,
         grad_scaler: Any = None,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
-                         timeout=timeout, nonfinite=nonfinite, grad_scaler=grad_scaler,
+                         timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
                          **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:

@@ -18,8 +18,6 @@ import torch
 
 from microsparse.layout import FlatVector, Layout
 
-NONFINITE = ("raise", "skip")
-"""What a NaN or Inf does: raise on every rank, or skip the step on every rank."""
 Fresh = torch.Tensor | Sequence[torch.Tensor | None]
 """A slab's fresh gradient: one flat tensor, or one tensor per parameter (``None``: none)."""
 
