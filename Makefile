@@ -12,7 +12,7 @@ READY := $(VENV)/.ready
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,data,plots]"
+	$(PY) -m pip install --quiet -e ".[dev,data,plots,frameworks]"
 	# MovieLens-100K ships in recbole, whose own dependency pins are unusable: no deps.
 	$(PY) -m pip install --quiet --no-deps recbole
 	touch $@

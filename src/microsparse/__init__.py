@@ -7,6 +7,7 @@ Example:
 """
 
 from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
+from microsparse.ranks import EveryRank
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers import available_sparsifiers, register_sparsifier
 from microsparse.stats import StepStats
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigMismatchError",
+    "EveryRank",
     "GradientReducer",
     "NonFiniteGradientError",
     "StepStats",

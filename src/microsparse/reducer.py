@@ -194,6 +194,8 @@ class GradientReducer:
         """
         return {
             "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
             "residual": self._feedback.residual.clone(),
             "sparsifier": self.sparsifier.state_dict(),
             "fingerprint": self._fingerprint(),
@@ -202,6 +204,13 @@ class GradientReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` on the same rank of the same setup."""
+        saved = (state.get("rank", self.rank), state.get("world_size", self.world_size))
+        if saved != (self.rank, self.world_size):
+            raise ValueError(
+                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
+                f"loaded on rank {self.rank} of {self.world_size}; every rank must load its own "
+                "state (microsparse.EveryRank carries all of them through one file)"
+            )
         if state.get("fingerprint") != self._fingerprint():
             raise ValueError(
                 "state was saved by a reducer with a different layout, sparsifier, density or "

@@ -18,6 +18,7 @@ reports m, the leader's cost and an upper bound for the others.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -124,6 +125,15 @@ class ProcessGroupCollectives:
             raise ValueError(
                 "process_group was given but torch.distributed is not initialised; "
                 "call torch.distributed.init_process_group first"
+            )
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Built too early (e.g. in a LightningModule's __init__, before Accelerator()),
+            # it would silently train this rank alone.
+            raise RuntimeError(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} says this process is one of several, but "
+                "torch.distributed is not initialised yet: call "
+                "torch.distributed.init_process_group first (in Lightning, build it in setup(); "
+                "with Accelerate, after Accelerator())"
             )
         else:
             self.group = None
