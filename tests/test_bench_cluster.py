@@ -19,6 +19,7 @@ import torch
 
 from distributed import run_ranks
 from microsparse import GradientReducer
+from microsparse.bench import cluster as cluster_module
 from microsparse.bench import netns
 from microsparse.bench.cluster import (
     PARTS,
@@ -251,3 +252,17 @@ def test_warm_up_settles_a_slow_threshold_on_the_target_count(tmp_path):
 def test_only_thresholds_carried_from_step_to_step_are_settled(sparsifier, options, expected):
     reducer = GradientReducer(torch.nn.Linear(10, 10).parameters(), sparsifier, 0.1, **options)
     assert needs_settling(reducer) is expected
+
+
+def test_a_swallowed_signal_still_stops_the_wait():
+    """A signal whose exception Python swallowed (it landed in logging's after-fork hook while
+    a worker was being started) must still end the wait for the workers."""
+    cluster = netns.Cluster(hosts=2, rate="1gbit")
+    cluster.interrupted = signal.SIGTERM
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(netns.Interrupted):
+            cluster_module._wait([(0, sleeper, Path("unused.log"))], 60, cluster)
+    finally:
+        sleeper.kill()
+        sleeper.wait()

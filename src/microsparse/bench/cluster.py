@@ -223,15 +223,20 @@ def _measure(cluster: netns.Cluster, config: BenchConfig, out: Path) -> dict[str
         with open(log_file, "w", encoding="utf-8") as stream:
             process = cluster.popen(rank, argv, env=env, stdout=stream, stderr=subprocess.STDOUT)
         workers.append((rank, process, log_file))
-    _wait(workers, config.timeout)
+    _wait(workers, config.timeout, cluster)
     return json.loads(result_file.read_text(encoding="utf-8"))
 
 
-def _wait(workers: list[tuple[int, subprocess.Popen[Any], Path]], timeout: float) -> None:
-    """Wait for every worker; on the first failure or at the timeout raise (the cluster's
-    clean-up then stops the rest)."""
+def _wait(
+    workers: list[tuple[int, subprocess.Popen[Any], Path]],
+    timeout: float,
+    cluster: netns.Cluster,
+) -> None:
+    """Wait for every worker; on the first failure, a signal or the timeout raise (the
+    cluster's clean-up then stops the rest)."""
     deadline = time.monotonic() + timeout
     while True:
+        cluster.raise_if_interrupted()
         codes = [(rank, process.poll(), log) for rank, process, log in workers]
         failed = [(rank, code, log) for rank, code, log in codes if code not in (None, 0)]
         if failed:

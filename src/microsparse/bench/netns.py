@@ -173,6 +173,8 @@ class Cluster:
         self._created: list[str] = []
         self._processes: list[subprocess.Popen[Any]] = []
         self._previous_handlers: dict[int, Any] = {}
+        self.interrupted: int | None = None
+        """The signal that interrupted the cluster, if any."""
 
     def interface(self, host: int) -> str:
         """The host's link, as seen inside its namespace (for ``GLOO_SOCKET_IFNAME``)."""
@@ -273,10 +275,19 @@ class Cluster:
             return  # only the main thread may set handlers; exceptions still clean up
 
         def interrupt(signum: int, frame: FrameType | None) -> None:
+            # A signal that lands in a callback Python runs itself (e.g. logging's after-fork
+            # hook while a worker is started) has its exception swallowed: remember it, so that
+            # the next raise_if_interrupted() raises it again.
+            self.interrupted = signum
             raise Interrupted(signum)
 
         for signum in _HANDLED_SIGNALS:
             self._previous_handlers[signum] = signal.signal(signum, interrupt)
+
+    def raise_if_interrupted(self) -> None:
+        """Raise the signal that interrupted the cluster, if one did and was swallowed."""
+        if self.interrupted is not None:
+            raise Interrupted(self.interrupted)
 
     def _restore_signal_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
