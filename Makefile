@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 READY := $(VENV)/.ready
 
-.PHONY: demo test lint bench balance clean
+.PHONY: demo test lint bench balance clean gpu-check
 
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(READY)
 	mkdir -p docs/img
 	cp $(BENCH)/select/*.png $(BENCH)/controller/*.png $(BENCH)/simulate/*.png docs/img/
 	cp $(BENCH)/simulate-best/predict.png docs/img/predict-best.png
+
+# On a machine with a GPU and torch already installed (no venv, no downloads): the CUDA and
+# NCCL checks and GPU timings of src/microsparse/bench/gpu_check.py, into $OUT if it is set.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m microsparse.bench.gpu_check --out "$${OUT:-runs/gpu-check}"
 
 lint: $(READY)
 	$(VENV)/bin/ruff check src tests

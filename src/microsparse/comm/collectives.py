@@ -148,7 +148,9 @@ class ProcessGroupCollectives:
         """Issue ``request`` without waiting; the future completes with its result."""
         work, result = self._issue(request, async_op=True)
         if work is None:
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            # A future that carries CUDA tensors must name their device.
+            devices = [result.device] if result.is_cuda else None
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
             done.set_result(result)
             return done
         return work.get_future().then(lambda _: result)
