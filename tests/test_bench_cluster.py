@@ -186,9 +186,11 @@ def test_summary_takes_medians_of_the_worker_mean_and_compares_with_dense_and_th
         record = {"total": total, **split, "other": 0.0, "target": 10, "dense_bytes": 1000}
         return record | {"selected": selected, "bytes_sent": sent}
 
-    def run(name, totals, **kwargs):
+    def run(name, totals, kind=None, **kwargs):
         steps = [step(total, 0.1, **kwargs) for total in totals]
-        return {"sparsifier": name, "parameters": 10_000, "steps": steps, "wire_bytes_per_step": 50}
+        described = {"kind": kind} if kind else {}  # older records have no kind
+        return {"sparsifier": name, "parameters": 10_000, "steps": steps,
+                "wire_bytes_per_step": 50, **described}  # fmt: skip
 
     def rank(rank, scale):
         return {
@@ -198,12 +200,15 @@ def test_summary_takes_medians_of_the_worker_mean_and_compares_with_dense_and_th
                 run("dense", [scale * 0.4, scale * 0.4, 9.0], selected=10_000, sent=1000),
                 run("micro", [scale * 0.2] * 3),
                 run("none", [scale * 0.1] * 3, selected=0, sent=0),
+                run("powersgd", [scale * 0.3] * 3, kind="peer", selected=10_000, sent=300),
             ],
         }
 
     summary = summarize_configuration({"ranks": [rank(1, 3.0), rank(0, 1.0)]}, 2, "100mbit")
     assert summary["probe"]["nominal_gbit_per_s"] == pytest.approx(0.1)
-    dense, micro, bound = summary["rows"]
+    dense, micro, bound, powersgd = summary["rows"]
+    assert powersgd["kind"] == "peer" and powersgd["density"] is None
+    assert powersgd["selected_over_target"] is None and powersgd["over_bound"] == 3
     assert dense["step_ms"] == pytest.approx(800)  # median of (0.4+1.2)/2, twice, and 9.0
     assert micro["step_ms"] == pytest.approx(400) and bound["step_ms"] == pytest.approx(200)
     assert micro["speedup_vs_dense"] == pytest.approx(2) and micro["over_bound"] == 2

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import microsparse
-from microsparse.bench import netns
+from microsparse.bench import netns, peers
 from microsparse.bench.cluster_worker import MODELS, NO_EXCHANGE
 from microsparse.sparsifiers import available_sparsifiers
 
@@ -45,15 +45,18 @@ _LOG_TAIL = 3000  # characters of a failed worker's log shown in the error
 
 
 def default_sparsifiers() -> tuple[str, ...]:
-    """``dense``, every other registered sparsifier, and ``none`` (the no-exchange bound).
+    """``dense``, every other registered sparsifier (the loop API), MiCRO through the DDP
+    hook, the peers a user would pick instead (``bench.peers``), and ``none`` (the
+    no-exchange bound).
 
     Example:
         >>> names = default_sparsifiers()
-        >>> names[0], names[-1], "micro" in names
-        ('dense', 'none', True)
+        >>> names[0], names[-1], "micro@ddp" in names, "powersgd(rank=4)" in names
+        ('dense', 'none', True, True)
     """
     others = [name for name in available_sparsifiers() if name != "dense"]
-    return ("dense", *others, NO_EXCHANGE)
+    peer_rows = ("ddp", "powersgd", "powersgd(rank=4)", "fp16", "bf16")
+    return ("dense", *others, "micro@ddp", *peer_rows, NO_EXCHANGE)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,6 @@ class BenchConfig:
     rounds: int = 2  # passes over the sparsifiers, so that a burst of load hits them all
     model: str = "resnet18"
     batch_size: int = 8  # random CIFAR-shaped images per worker and step
-    integration: str = "loop"  # GradientReducer.synchronize() after backward
     threshold_start: str = "settled"  # "cold": adaptive thresholds start at 1/(2·sqrt(k))
     probe_numel: int = 2_000_000  # float32 values of the link probe's all-reduce (8 MB)
     timeout: float = 1200.0  # seconds per configuration before the run is abandoned
@@ -77,10 +79,11 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         # Fail here, with the option's name, rather than in every worker inside the cluster.
-        known = (*available_sparsifiers(), NO_EXCHANGE)
-        unknown = [name for name in self.sparsifiers if name not in known]
-        if unknown:
-            raise ValueError(f"sparsifiers: unknown {unknown}; choose from {', '.join(known)}")
+        for name in self.sparsifiers:
+            try:
+                peers.parse(name)
+            except ValueError as error:
+                raise ValueError(f"sparsifiers: {error}") from None
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if not self.hosts or min(self.hosts) < 2 or max(self.hosts) > netns.MAX_HOSTS:
@@ -91,10 +94,9 @@ class BenchConfig:
             raise ValueError(
                 f"rounds must be between 1 and steps ({self.steps}), got {self.rounds}"
             )
-        if self.integration != "loop" or self.threshold_start not in ("settled", "cold"):
+        if self.threshold_start not in ("settled", "cold"):
             raise ValueError(
-                "integration must be 'loop' and threshold_start 'settled' or 'cold', got "
-                f"{self.integration!r} and {self.threshold_start!r}"
+                f"threshold_start must be 'settled' or 'cold', got {self.threshold_start!r}"
             )
 
 
@@ -287,8 +289,9 @@ def _summarize_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     name = first["sparsifier"]
     records = first["steps"][:steps]
     wire = [run["wire_bytes_per_step"] for run in runs]
+    kind = first.get("kind") or peers.parse(name).kind  # records of older runs lack it
     density = None
-    if name != NO_EXCHANGE:
+    if kind in ("loop", "hook"):
         density = statistics.median(r["selected"] / first["parameters"] for r in records)
     return {
         "sparsifier": name,
@@ -297,8 +300,9 @@ def _summarize_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "step_ms": median_ms("total"),
         **{f"{part}_ms": median_ms(part) for part in PARTS},
         "density": density,
+        "kind": kind,
         "selected_over_target": None
-        if name in (NO_EXCHANGE, "dense")
+        if kind not in ("loop", "hook") or name == "dense"
         else statistics.median(r["selected"] / r["target"] for r in records),
         "modelled_bytes_per_step": statistics.median(r["bytes_sent"] for r in records),
         "wire_bytes_per_step": None if None in wire else statistics.fmean(wire),
@@ -351,7 +355,8 @@ def to_markdown(results: dict[str, Any]) -> str:
         f"Model {config['model']}, batch {config['batch_size']} per worker, density "
         f"{config['density']:g}, {config['steps']} recorded steps in {config.get('rounds', 1)} "
         f"round(s), each after {config['warmup']} warm-up steps, thresholds "
-        f"{config['threshold_start']}, integration {config['integration']}.",
+        f"{config['threshold_start']}. Rows: microsparse through the loop API, or the DDP "
+        "hook (`@ddp`); the peers through DDP (`bench.peers`).",
         f"Machine: {host['cpu']}, {host['cores']} cores, torch {host['torch']}; load average "
         f"{_load(host['load_average_start'])} at the start, "
         f"{_load(host.get('load_average_end', host['load_average_start']))} at the end.",

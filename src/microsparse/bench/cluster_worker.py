@@ -47,12 +47,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from microsparse.bench import peers
+from microsparse.bench.workload import split_labels
 from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.reducer import GradientReducer
 from microsparse.training.models import build_resnet18, seeded
 
-NO_EXCHANGE = "none"
-"""The sparsifier name of the no-communication bound: the same training, no exchange."""
+NO_EXCHANGE = peers.NO_EXCHANGE
+"""The method name of the no-communication bound: the same training, no exchange."""
 IMAGE_SHAPE = (3, 32, 32)
 CLASSES = 10
 
@@ -200,15 +202,27 @@ def measure_in_rounds(args: argparse.Namespace, link: LinkCounter) -> list[dict[
 
 
 def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) -> dict[str, Any]:
-    """Warm up, then time ``steps`` training steps with sparsifier ``name``."""
-    rank = dist.get_rank()
+    """Warm up, then time ``steps`` training steps with method ``name`` (``bench.peers``).
+
+    The loop API's rows wait for the slowest worker before the exchange, so that it is timed
+    on its own. Under DDP (microsparse's hook and the peers) the exchange overlaps the backward
+    pass: the step starts with the wait for the slowest worker, and compute includes whatever
+    of the exchange was not hidden.
+    """
+    method = peers.parse(name)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = MODELS[args.model](args.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-    reducer = None
-    if name != NO_EXCHANGE:
-        reducer = GradientReducer(model.named_parameters(), name, args.density)
+    reducer, trained, state = None, model, None
+    if method.kind == "loop":
+        reducer = GradientReducer(model.named_parameters(), method.sparsifier, args.density,
+                                  **method.options)  # fmt: skip
+    elif method.uses_ddp:
+        trained, state = peers.attach(method, model, args.density, args.warmup)
     settle = reducer is not None and args.threshold_start == "settled" and needs_settling(reducer)
+    peer_bytes = peers.modelled_bytes(method, model, world_size)
+    numel = sum(p.numel() for p in params)
     generator = torch.Generator().manual_seed(args.seed * 1009 + rank)
     records: list[dict[str, Any]] = []
     sent_before = None
@@ -220,8 +234,11 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
         images = torch.randn(args.batch_size, *IMAGE_SHAPE, generator=generator)
         labels = torch.randint(CLASSES, (args.batch_size,), generator=generator)
         started = time.perf_counter()
+        if method.uses_ddp:
+            dist.barrier()  # the exchange happens inside backward: wait for everyone first
+        ready = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
-        F.cross_entropy(model(images), labels).backward()
+        F.cross_entropy(trained(images), labels).backward()
         computed = time.perf_counter()
         stats, waited = None, computed
         if reducer is not None:
@@ -231,31 +248,35 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
             dist.barrier()
             waited = time.perf_counter()
             stats = reducer.synchronize()
+        elif method.kind == "hook":
+            stats = state.last_step
         optimizer.step()
         finished = time.perf_counter()
         if step < args.warmup:
             continue
-        select = stats.select_seconds if stats else 0.0
-        exchange = stats.exchange_seconds if stats else 0.0
+        select = stats.select_seconds if stats and reducer is not None else 0.0
+        exchange = stats.exchange_seconds if stats and reducer is not None else 0.0
+        sent = stats.bytes_sent if stats else (peer_bytes or 0)
         records.append(
             {
                 "total": finished - started,
-                "compute": computed - started,
-                "wait": waited - computed,
+                "compute": computed - ready,
+                "wait": ready - started + waited - computed,
                 "select": select,
                 "exchange": exchange,
                 "other": finished - waited - select - exchange,
-                "selected": stats.selected if stats else 0,
-                "target": stats.target if stats else 0,
-                "bytes_sent": stats.bytes_sent if stats else 0,
-                "dense_bytes": stats.dense_bytes if stats else 0,
+                "selected": stats.selected if stats else (numel if method.kind == "peer" else 0),
+                "target": stats.target if stats else (numel if method.kind == "peer" else 0),
+                "bytes_sent": sent,
+                "dense_bytes": all_reduce_bytes(4 * numel, world_size),
             }
         )
     sent_after = link.read()
     wire = None if sent_before is None or sent_after is None else sent_after - sent_before
     return {
         "sparsifier": name,
-        "parameters": sum(p.numel() for p in params),
+        "kind": method.kind,
+        "parameters": numel,
         "steps": records,
         "wire_bytes": wire,
     }
@@ -304,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--master-addr", required=True)
     add("--master-port", type=int, default=29500)
     add("--interface", default=None, help="this host's link, for its tx_bytes counter")
-    add("--sparsifiers", type=lambda text: text.split(","), required=True)
+    add("--sparsifiers", type=split_labels, required=True, help="methods (bench.peers), by commas")
     add("--density", type=float, default=0.001)
     add("--steps", type=int, default=8, help="recorded steps per sparsifier, all rounds")
     add("--warmup", type=int, default=2, help="unrecorded steps before every round")

@@ -91,6 +91,27 @@ def find_variants(labels: tuple[str, ...] | None, density: float = 0.001) -> lis
     return chosen
 
 
+def split_labels(text: str) -> tuple[str, ...]:
+    """Comma-separated labels, once each; commas inside ``name(key=value,...)`` stay.
+
+    Example:
+        >>> split_labels("topk,micro(selection=threshold,partitioning=contiguous),topk")
+        ('topk', 'micro(selection=threshold,partitioning=contiguous)')
+    """
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    parts = [part for part in (*parts, current.strip()) if part]
+    if not parts or depth:
+        raise ValueError(f"expected comma-separated labels, got {text!r}")
+    return tuple(dict.fromkeys(parts))
+
+
 def parse_variant(label: str) -> Variant:
     """``name(key=value,...)`` as a :class:`Variant`; values are JSON where they parse.
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from microsparse.bench import netns
+from microsparse.bench import netns, peers
 from microsparse.bench.cluster import (
     QUICK,
     BenchConfig,
@@ -21,8 +21,8 @@ from microsparse.bench.cluster import (
     refusal,
     run_benchmark,
 )
-from microsparse.bench.cluster_worker import MODELS, NO_EXCHANGE
-from microsparse.cli import arguments, bench_controller, bench_overhead, bench_select
+from microsparse.bench.cluster_worker import MODELS
+from microsparse.cli import arguments, bench_controller, bench_options, bench_overhead, bench_select
 from microsparse.sparsifiers import available_sparsifiers
 
 T = TypeVar("T")
@@ -52,7 +52,7 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         "training without any exchange). Writes results.json, results.md and cluster.png to "
         "--out. Needs root and iproute2; removes every namespace it made, also on Ctrl-C.",
     )
-    names = (*available_sparsifiers(), NO_EXCHANGE)
+    names = available_sparsifiers()
     add = cluster.add_argument
     add(
         "--hosts",
@@ -69,10 +69,11 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
     )
     add(
         "--sparsifiers",
-        type=_list_of(_choice(names)),
+        type=_methods,
         default=None,
-        help=f"any of {', '.join(names)} (default: {_join(default_sparsifiers())}; quick "
-        f"{_join(QUICK['sparsifiers'])})",
+        help=f"methods: a sparsifier ({', '.join(names)}) for the loop API, NAME@ddp for the "
+        "DDP hook, or a peer: ddp, fp16, bf16, powersgd(rank=R), and none (the no-exchange "
+        f"bound) (default: {_join(default_sparsifiers())}; quick {_join(QUICK['sparsifiers'])})",
     )
     add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
     add(
@@ -107,12 +108,6 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         type=arguments.positive_int,
         default=full.batch_size,
         help="random CIFAR-shaped images per worker and step (default: %(default)s)",
-    )
-    add(
-        "--integration",
-        choices=("loop",),
-        default=full.integration,
-        help="loop: GradientReducer.synchronize() after backward (default: %(default)s)",
     )
     add(
         "--threshold-start",
@@ -167,7 +162,6 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         density=args.density,
         model=args.model,
         batch_size=args.batch_size,
-        integration=args.integration,
         threshold_start=args.threshold_start,
         timeout=args.timeout,
         out=args.out or f"runs/bench-cluster-{time.strftime('%Y%m%d-%H%M%S')}",
@@ -217,15 +211,6 @@ def _rate(text: str) -> str:
     return text.strip().lower()
 
 
-def _choice(names: tuple[str, ...]) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        if text not in names:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(names)}")
-        return text
-
-    return parse
-
-
 def _non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else arguments.positive_int(text)
 
@@ -239,3 +224,14 @@ def _describe_quick(quick: dict) -> str:
         f"hosts {_join(quick['hosts'])}, rates {_join(quick['rates'])}, sparsifiers "
         f"{_join(quick['sparsifiers'])}, {quick['steps']} steps after {quick['warmup']} warm-up"
     )
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    """Method names for ``--sparsifiers`` (``bench.peers``), each checked here."""
+    labels = bench_options.names(text)
+    for label in labels:
+        try:
+            peers.parse(label)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return labels

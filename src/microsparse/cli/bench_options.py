@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from microsparse.bench.workload import split_labels
 from microsparse.cli import arguments
 
 T = TypeVar("T")
@@ -45,18 +46,10 @@ def names(text: str) -> tuple[str, ...]:
         >>> names("topk,micro(selection=threshold,partitioning=contiguous)")
         ('topk', 'micro(selection=threshold,partitioning=contiguous)')
     """
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += char
-    parts = [part for part in (*parts, current.strip()) if part]
-    if not parts or depth:
-        raise argparse.ArgumentTypeError(f"expected comma-separated labels, got {text!r}")
-    return tuple(dict.fromkeys(parts))
+    try:
+        return split_labels(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_sparsifiers(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,166 @@
+"""The methods a user would pick instead of microsparse, as rows of ``bench cluster``.
+
+A method name is one of:
+
+- a microsparse sparsifier (``micro``, ``topk``, ``micro(selection=threshold)``, ...): the
+  loop API, ``GradientReducer.synchronize()`` after backward; with ``@ddp`` (``micro@ddp``)
+  the DDP comm hook instead, overlapped with the backward pass;
+- ``ddp``: stock DDP, its bucketed all-reduce overlapped with the backward pass;
+- ``fp16``, ``bf16``: DDP with gradients all-reduced in half precision. ``fp16`` is torch's
+  ``fp16_compress_hook``; DDP refuses torch's ``bf16_compress_hook`` without CUDA, so ``bf16``
+  is the same body (divide, cast, all-reduce, cast back) under another name, written here;
+- ``powersgd`` or ``powersgd(rank=R)``: torch's ``powerSGD_hook`` (PowerSGDState with error
+  feedback and warm start, compressing from the first recorded step). With DDP's default
+  buckets it crashed on gloo under load ("Received data size doesn't match expected size"),
+  so it runs with one bucket holding the whole model (``bucket_cap_mb`` large), marked so in
+  its name's description; ``powersgd(rank=R,buckets=default)`` asks for DDP's buckets;
+- ``none``: the same training with no exchange at all (the no-communication bound).
+
+Example:
+    >>> method = parse("micro(selection=threshold)@ddp")
+    >>> method.kind, method.sparsifier, method.options
+    ('hook', 'micro', {'selection': 'threshold'})
+    >>> parse("powersgd(rank=4)").rank, parse("powersgd").one_bucket
+    (4, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from microsparse.bench.workload import find_variants
+from microsparse.comm.collectives import all_reduce_bytes
+from microsparse.sparsifiers import available_sparsifiers
+
+NO_EXCHANGE = "none"
+PEERS = ("ddp", "fp16", "bf16", "powersgd")
+HOOK_SUFFIX = "@ddp"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the cluster benchmark: what averages the gradients, and how it is attached."""
+
+    name: str
+    kind: str  # "loop", "hook", "peer" or "none"
+    sparsifier: str = ""  # the microsparse sparsifier, or the peer's name
+    options: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0  # PowerSGD's matrix approximation rank
+    one_bucket: bool = False  # DDP with one bucket holding the whole model
+
+    @property
+    def uses_ddp(self) -> bool:
+        return self.kind in ("hook", "peer")
+
+
+def parse(name: str) -> Method:
+    """The :class:`Method` a name means; ValueError naming the choices if it means none."""
+    if name == NO_EXCHANGE:
+        return Method(name, "none")
+    base, _, suffix = name.partition(HOOK_SUFFIX)
+    if suffix:
+        raise ValueError(f"method {name!r}: {HOOK_SUFFIX} must end the name")
+    label, _, arguments = base.partition("(")
+    if label in PEERS:
+        options = _arguments(name, arguments)
+        if name.endswith(HOOK_SUFFIX):
+            raise ValueError(f"method {name!r}: {label} always runs through DDP; drop "
+                             f"{HOOK_SUFFIX}")  # fmt: skip
+        unknown = set(options) - ({"rank", "buckets"} if label == "powersgd" else set())
+        if unknown:
+            raise ValueError(f"method {name!r}: {label} takes no option {sorted(unknown)}")
+        if options.get("buckets", "one") not in ("one", "default"):
+            raise ValueError(f"method {name!r}: buckets must be 'one' or 'default'")
+        rank = int(options.get("rank", 1)) if label == "powersgd" else 0
+        one_bucket = label == "powersgd" and options.get("buckets", "one") == "one"
+        return Method(name, "peer", label, {}, rank, one_bucket)
+    try:
+        (variant,) = find_variants((base,))
+    except ValueError:
+        choices = (*available_sparsifiers(), "micro-reference", *PEERS, NO_EXCHANGE)
+        raise ValueError(
+            f"method {name!r}: unknown; choose from {', '.join(choices)} (a sparsifier may "
+            f"end in {HOOK_SUFFIX} for the DDP hook)"
+        ) from None
+    kind = "hook" if name.endswith(HOOK_SUFFIX) else "loop"
+    return Method(name, kind, variant.name, dict(variant.options))
+
+
+def _arguments(name: str, text: str) -> dict[str, str]:
+    if not text:
+        return {}
+    if not text.endswith(")"):
+        raise ValueError(f"method {name!r}: unbalanced parentheses")
+    pairs = [part.split("=", 1) for part in text[:-1].split(",") if part]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ValueError(f"method {name!r}: options are key=value")
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def attach(method: Method, model: nn.Module, density: float, start: int) -> tuple[nn.Module, Any]:
+    """Wrap ``model`` for a DDP method and register its hook; returns (module to train, the
+    hook's state or None). ``start`` is the step from which PowerSGD compresses."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    import microsparse.ddp as mddp
+
+    ddp = DistributedDataParallel(model, bucket_cap_mb=10_000 if method.one_bucket else 25)
+    state: Any = None
+    if method.kind == "hook":
+        state = mddp.SparseState(method.sparsifier, density, **method.options)
+        ddp.register_comm_hook(state, mddp.sparse_hook)
+    elif method.sparsifier == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.sparsifier == "bf16":
+        ddp.register_comm_hook(None, bfloat16_hook)
+    elif method.sparsifier == "powersgd":
+        state = powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=method.rank,
+            start_powerSGD_iter=max(2, start), use_error_feedback=True, warm_start=True,
+        )  # fmt: skip
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    return ddp, state
+
+
+def bfloat16_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """torch's ``bf16_compress_hook`` body: divide, cast to bfloat16, all-reduce, cast back
+    into the bucket. DDP refuses a hook of torch's name without CUDA (it checks the name); the
+    same body under another name runs on CPU. (Unannotated: DDP checks a hook's annotations as
+    objects, and this module's are strings.)"""
+    buffer = bucket.buffer()
+    world_size = dist.get_world_size(process_group)
+    compressed = buffer.div(world_size).to(torch.bfloat16)
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+
+    def decompress(future):  # type: ignore[no-untyped-def]
+        buffer.copy_(future.value()[0])
+        return buffer
+
+    return work.get_future().then(decompress)
+
+
+def modelled_bytes(method: Method, model: nn.Module, world_size: int) -> int | None:
+    """Bytes one rank sends per step in a ring model, for the peers (None where unknown)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    if method.sparsifier == "ddp":
+        return all_reduce_bytes(4 * numel, world_size)
+    if method.sparsifier in ("fp16", "bf16"):
+        return all_reduce_bytes(2 * numel, world_size)
+    if method.sparsifier != "powersgd":
+        return None
+    total = 0  # P and Q of every matrix worth compressing (min_compression_rate 2), else raw
+    for p in params:
+        rows = p.shape[0] if p.dim() > 1 else 0
+        cols = math.prod(p.shape[1:]) if p.dim() > 1 else 0
+        compressed = (rows + cols) * method.rank
+        total += 4 * (compressed if rows and rows * cols >= 2 * compressed else p.numel())
+    return all_reduce_bytes(total, world_size)
