@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import os
@@ -284,6 +285,9 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # A crash inside torch's C++ (an abort, a segfault) leaves no Python traceback: have one
+    # printed into this host's log, so the parent's error says where the worker was.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(args.threads)
     dist.init_process_group(
         "gloo",
