@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 
 from microsparse.bench.workload import find_variants
-from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.sparsifiers import available_sparsifiers
 
 NO_EXCHANGE = "none"
@@ -112,7 +110,8 @@ def attach(method: Method, model: nn.Module, density: float, start: int) -> tupl
 
     import microsparse.ddp as mddp
 
-    ddp = DistributedDataParallel(model, bucket_cap_mb=10_000 if method.one_bucket else 25)
+    # DDP's own bucket defaults (1 MiB first, 25 MiB after), as a user gets them.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=10_000 if method.one_bucket else None)
     state: Any = None
     if method.kind == "hook":
         state = mddp.SparseState(method.sparsifier, density, **method.options)
@@ -148,19 +147,11 @@ def bfloat16_hook(process_group, bucket):  # type: ignore[no-untyped-def]
 
 
 def modelled_bytes(method: Method, model: nn.Module, world_size: int) -> int | None:
-    """Bytes one rank sends per step in a ring model, for the peers (None where unknown)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    if method.sparsifier == "ddp":
-        return all_reduce_bytes(4 * numel, world_size)
-    if method.sparsifier in ("fp16", "bf16"):
-        return all_reduce_bytes(2 * numel, world_size)
-    if method.sparsifier != "powersgd":
+    """Bytes one rank sends per step in a ring model, for the peers (None for the others):
+    :func:`microsparse.bench.peermodel.peer_bytes` on the model's layer shapes."""
+    from microsparse.bench import peermodel
+
+    if method.kind != "peer":
         return None
-    total = 0  # P and Q of every matrix worth compressing (min_compression_rate 2), else raw
-    for p in params:
-        rows = p.shape[0] if p.dim() > 1 else 0
-        cols = math.prod(p.shape[1:]) if p.dim() > 1 else 0
-        compressed = (rows + cols) * method.rank
-        total += 4 * (compressed if rows and rows * cols >= 2 * compressed else p.numel())
-    return all_reduce_bytes(total, world_size)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return peermodel.peer_bytes(method.name, shapes, world_size)

@@ -1,0 +1,106 @@
+"""The peers' model against what torch's DDP and hooks really do, on real gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distributed import run_ranks
+from microsparse.bench import peermodel, peers
+from microsparse.comm.collectives import all_reduce_bytes
+
+
+def small_model() -> nn.Module:
+    """About 3.2 MB of float32 gradients: two DDP buckets at DDP's defaults (the last two
+    layers fill the first, 1 MiB), matrices PowerSGD compresses and vectors it sends raw."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 8 * 8, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
+
+
+@pytest.mark.parametrize("limits", [(1 << 20, 25 << 20), (25 << 20, 25 << 20), (64, 4096)])
+def test_buckets_are_ddps_own(limits):
+    shapes = peermodel.resnet18_shapes()
+    first, cap = limits
+    tensors = [torch.empty(shape) for shape in shapes][::-1]
+    expected, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
+    mine = peermodel.ddp_buckets(shapes, bucket_bytes=cap, first_bucket_bytes=first)
+    assert mine == [[len(shapes) - 1 - i for i in bucket] for bucket in expected]
+
+
+def record_all_reduces(rank: int, world_size: int, name: str) -> list[tuple[int, int]]:
+    """(entries, bytes per entry) of every all-reduce torch's hook issues in step 4, after
+    PowerSGD has started compressing and DDP has rebuilt its buckets."""
+    model = small_model()
+    method = peers.parse(name)
+    ddp, _ = peers.attach(method, model, density=0.001, start=2)
+    if method.sparsifier == "ddp":  # stock DDP reduces in C++: the same all-reduce as a hook
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    seen: list[tuple[int, int]] = []
+    original = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((tensor.numel(), tensor.element_size()))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy  # type: ignore[assignment]
+    try:
+        for _ in range(4):
+            seen.clear()
+            ddp(torch.randn(4, 3, 8, 8)).square().sum().backward()
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.parametrize(
+    "name", ["ddp", "fp16", "bf16", "powersgd", "powersgd(rank=4)", "powersgd(buckets=default)"]
+)
+def test_collectives_are_those_torch_issues(tmp_path, name):
+    shapes = [tuple(p.shape) for p in small_model().parameters()]
+    predicted = peermodel.peer_collectives(name, shapes, 2)
+    seen = run_ranks(record_all_reduces, 2, tmp_path, name)
+    assert seen[0] == seen[1]
+    buckets = 1 if "powersgd" in name and "default" not in name else 2
+    assert len(predicted) == buckets * (3 if "powersgd" in name else 1)
+    assert [("all_reduce", entries * size) for entries, size in seen[0]] == predicted
+    assert peermodel.peer_bytes(name, shapes, 2) == sum(
+        all_reduce_bytes(size, 2) for _, size in predicted
+    )
+
+
+def test_widened_shapes_keep_the_architecture():
+    shapes = peermodel.resnet18_shapes()
+    wider = peermodel.scaled_shapes(shapes, 4 * sum(math.prod(s) for s in shapes))
+    assert len(wider) == len(shapes)
+    assert sum(math.prod(s) for s in wider) == pytest.approx(4 * 11_173_962, rel=0.01)
+    ddp = peermodel.peer_bytes("ddp", shapes, 4)
+    assert peermodel.peer_bytes("ddp", wider, 4) == pytest.approx(4 * ddp, rel=0.01)
+    # PowerSGD's P and Q grow with the rows and columns: twice, not four times.
+    low_rank = peermodel.peer_bytes("powersgd", shapes, 4)
+    assert 1.8 * low_rank < peermodel.peer_bytes("powersgd", wider, 4) < 2.6 * low_rank
+
+
+def test_local_arithmetic_is_timed_and_names_are_checked():
+    shapes = [(64, 3, 3, 3), (64,), (10, 64), (10,)]
+    assert peermodel.local_seconds("ddp", shapes, 2) == 0.0
+    assert peermodel.local_seconds("powersgd(rank=2)", shapes, 2) > 0
+    assert peermodel.local_seconds("fp16", shapes, 2) > 0
+    with pytest.raises(ValueError, match="not a peer"):
+        peermodel.peer_collectives("micro", shapes, 2)
+    with pytest.raises(ValueError, match="unknown"):
+        peermodel.local_seconds("powersgd2", shapes, 2)
