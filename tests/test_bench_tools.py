@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 
-from microsparse.bench import costmodel
+from microsparse.bench import costmodel, peermodel
 from microsparse.bench.capture import CaptureError, load_capture
-from microsparse.bench.workload import model_layout, variants
+from microsparse.bench.workload import RESNET18_NUMEL, model_layout, variants
 from microsparse.cli import bench, main
+from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.comm.local import SymmetricPeers
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
@@ -143,7 +144,7 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
         "rows": [
             {"sparsifier": name, "parameters": 4000, "density": density, "step_ms": 50.0,
              "compute_ms": 40.0, "select_ms": 1.0, "exchange_ms": 8.0, "other_ms": 1.0}
-            for name, density in (("dense", 1.0), ("micro", 0.05), ("none", None))
+            for name, density in (("dense", 1.0), ("micro", 0.05), ("ddp", None), ("none", None))
         ],
     }]}))  # fmt: skip
     select = tmp_path / "select.json"  # what `bench select` wrote, for micro at d = 4000
@@ -174,10 +175,24 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
             assert row["overlap"] == pytest.approx(1.0 if row["exchange"] == "exclusive"
                                                    else row["world_size"])  # fmt: skip
     predicted = result["prediction"]["rows"]
-    assert len(predicted) == len(labels) * 2 * 2
+    peer_names = peermodel.DEFAULT_PEERS
+    assert len(predicted) == (len(labels) + len(peer_names)) * 2 * 2
     assert all(r["step_ms"] > 0 for r in predicted)
+    peer_rows = {(r["sparsifier"], r["world_size"], r["gbit_per_s"]): r
+                 for r in predicted if r.get("kind") == "peer"}  # fmt: skip
+    assert {name for name, _, _ in peer_rows} == set(peer_names)
+    ddp, powersgd = peer_rows[("ddp", 16, 10)], peer_rows[("powersgd", 16, 10)]
+    assert ddp["bytes_per_worker"] == all_reduce_bytes(4 * RESNET18_NUMEL, 16)
+    assert ddp["overhead_ms"] == 0 and ddp["step_ms"] == ddp["communication_ms"] > 0
+    assert powersgd["bytes_per_worker"] < ddp["bytes_per_worker"] / 100
+    assert peer_rows[("fp16", 16, 10)]["bytes_per_worker"] == ddp["bytes_per_worker"] // 2
+    assert peer_rows[("ddp", 16, 100)]["communication_ms"] < ddp["communication_ms"]
     validated = result["validation"]["rows"]
     assert [r["sparsifier"] for r in validated] == ["dense", "micro"]
+    [peer] = result["validation"]["peer_rows"]
+    assert peer["sparsifier"] == "ddp" and peer["local_ms"] == 0
+    assert peer["predicted_step_ms"] == pytest.approx(50.0 + peer["communication_ms"])
+    assert peer["modelled_bytes"] == all_reduce_bytes(4 * RESNET18_NUMEL, 2)
     assert all(r["predicted_exchange_ms_probed"] > 0 for r in validated)
     micro = validated[1]
     assert micro["local_exchange_ms"] == pytest.approx(5.0 - 1.0 - 0.5)

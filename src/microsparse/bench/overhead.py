@@ -76,9 +76,7 @@ def run(config: OverheadConfig, progress: bool = True) -> dict[str, Any]:
             row["loop_passes"] = row["loop_ms"] / floor["pass_ms"]
             row["hook_passes"] = row["hook_ms"] / floor["pass_ms"]
             for name in ("quota", "reference"):
-                row[f"{name}_select_own_passes"] = row[f"{name}_select_ms"] / (
-                    floor["pass_ms"] / n
-                )
+                row[f"{name}_select_own_passes"] = row[f"{name}_select_ms"] / (floor["pass_ms"] / n)
             rows.append(row)
             if progress:
                 print(
@@ -194,14 +192,18 @@ def markdown(result: dict[str, Any]) -> str:
             "selection in passes over the rank's own d/n (same count for both).",
             "",
             markdown_table(
-                ["n", "loop step", "hook step", "quota selection", "reference compare",
-                 "count"],
+                ["n", "loop step", "hook step", "quota selection", "reference compare", "count"],
                 [
-                    [r["world_size"], f"{r['loop_passes']:.2f}", f"{r['hook_passes']:.2f}",
-                     f"{r['quota_select_own_passes']:.2f} ({significant(r['quota_select_ms'])}"
-                     " ms)",
-                     f"{r['reference_select_own_passes']:.2f} "
-                     f"({significant(r['reference_select_ms'])} ms)", r["quota_count"]]
+                    [
+                        r["world_size"],
+                        f"{r['loop_passes']:.2f}",
+                        f"{r['hook_passes']:.2f}",
+                        f"{r['quota_select_own_passes']:.2f} ({significant(r['quota_select_ms'])}"
+                        " ms)",
+                        f"{r['reference_select_own_passes']:.2f} "
+                        f"({significant(r['reference_select_ms'])} ms)",
+                        r["quota_count"],
+                    ]
                     for r in rows
                 ],
             ),  # fmt: skip
@@ -228,4 +230,3 @@ def markdown(result: dict[str, Any]) -> str:
 def write(result: dict[str, Any], out: str | Path, plots: bool = True) -> list[Path]:
     """Write ``overhead.json`` and ``overhead.md`` into ``out``."""
     return _write_results("overhead", result, out, markdown, None)
-

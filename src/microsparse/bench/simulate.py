@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from microsparse.bench import costmodel
+from microsparse.bench import costmodel, peermodel
 from microsparse.bench.capture import CapturedGradients, load_capture
 from microsparse.bench.output import (
     describe_machine,
@@ -318,6 +318,7 @@ class PredictConfig:
     compute_ms: float = 0.0
     select_results: str | None = None  # ``microsparse bench select``'s select.json
     algorithms: str = "ring"  # or "best": the faster of ring and recursive doubling
+    peers: tuple[str, ...] = peermodel.DEFAULT_PEERS  # torch's hooks and stock DDP beside
 
 
 def shapes_from(result: dict[str, Any]) -> dict[tuple[str, int], costmodel.StepShape]:
@@ -335,6 +336,10 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
     Local overhead: ``bench select``'s whole per-step overhead at the nearest d and n when
     ``select_results`` is given (same sparsifier label), else the simulator's selection time
     scaled by d/d_simulated (selection only).
+
+    The peers (``config.peers``: stock DDP, torch's fp16/bf16 and PowerSGD hooks) follow
+    :func:`peermodel.predict_rows`: their collectives from ResNet-18's layer shapes widened to
+    d, DDP's buckets, and their own arithmetic timed on this machine.
     """
     shapes = shapes_from(result)
     overheads, overhead_source = _overheads(config, result)
@@ -364,6 +369,10 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
                     "compute_ms": config.compute_ms,
                     "step_ms": config.compute_ms + overhead + 1e3 * comm,
                 })  # fmt: skip
+    rows += peermodel.predict_rows(
+        config.peers, config.numel, config.workers, config.rates_gbit, config.latency_us,
+        config.compute_ms, config.algorithms,
+    )  # fmt: skip
     dense = {
         (r["world_size"], r["gbit_per_s"]): r["step_ms"] for r in rows if r["sparsifier"] == "dense"
     }
@@ -482,7 +491,10 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
         f"Predicted step time, ms, d = {config['numel']:,}, α = {config['latency_us']:g} µs, "
         f"{config.get('algorithms', 'ring')} collectives, "
         f"compute {config['compute_ms']:g} ms; local overhead: {prediction['overhead_source']}. "
-        "Cells: step ms (of which communication; speed-up over dense).",
+        "Cells: step ms (of which communication; speed-up over dense). The peers run through "
+        "DDP: their local overhead is their own arithmetic (casts, PowerSGD's products) timed "
+        "here, and 'if hidden' is the bound where DDP overlaps all communication with the "
+        "backward pass.",
     ]
     for gbit in config["rates_gbit"]:
         rows = [r for r in prediction["rows"] if r["gbit_per_s"] == gbit]
@@ -494,7 +506,12 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
                 + [
                     f"{significant(cells[n]['step_ms'])} "
                     f"({significant(cells[n]['communication_ms'], 2)} comm; "
-                    f"{significant(cells[n]['speedup_vs_dense'] or math.nan, 2)}×)"
+                    f"{significant(cells[n]['speedup_vs_dense'] or math.nan, 2)}×"
+                    + (
+                        f"; {significant(cells[n]['overlapped_step_ms'])} if hidden)"
+                        if "overlapped_step_ms" in cells[n]
+                        else ")"
+                    )
                     for n in workers
                 ]
             )
@@ -533,10 +550,34 @@ def markdown_validation(validation: dict[str, Any]) -> str:
         ]
         table.append(cells)
     source = f" Local CPU of the exchange: {validation['local_source']}." if local else ""
-    return (
+    text = (
         f"Validation against {validation['source']} (α = {validation['latency_us']:g} µs; "
         f"model step = measured compute + wait + select + other + modelled exchange).{source}"
         "\n\n" + markdown_table(headers, table)
+    )
+    if validation.get("peer_rows"):
+        text += "\n\n" + markdown_peer_validation(validation["peer_rows"])
+    return text
+
+
+def markdown_peer_validation(rows: list[dict[str, Any]]) -> str:
+    """The peers' rows of the validation (:func:`peermodel.validate_peers`)."""
+    headers = ["hosts", "link", "peer", "step ms (measured)", "no-exchange step", "local ms",
+               "collectives ms (probed)", "model: nothing hidden", "model: all hidden",
+               "model / measured", "MB (model)", "MB (wire)"]  # fmt: skip
+    table = [
+        [r["hosts"], r["rate"], r["sparsifier"], significant(r["measured_step_ms"]),
+         significant(r["bound_step_ms"]), significant(r["local_ms"]),
+         significant(r["communication_ms"]), significant(r["predicted_step_ms"]),
+         significant(r["overlapped_step_ms"]), significant(r["step_ratio"], 2),
+         significant(r["modelled_bytes"] / 1e6),
+         significant(r["wire_bytes"] / 1e6) if r["wire_bytes"] is not None else "–"]
+        for r in rows
+    ]  # fmt: skip
+    return (
+        "The peers through DDP (model step = the no-exchange row's step + the peer's own "
+        "arithmetic, timed here on one thread + its collectives at the probed rate; 'all "
+        "hidden' overlaps the collectives with compute):\n\n" + markdown_table(headers, table)
     )
 
 
@@ -571,13 +612,13 @@ def validate(
             f"{select_results}: overhead − selection − error-feedback add, CPU time, "
             "nearest d and n"
         )
-    rows = costmodel.validate_against_cluster(
-        json.loads(path.read_text()), latency_us, shapes_from(result), local
-    )
+    measured = json.loads(path.read_text())
+    rows = costmodel.validate_against_cluster(measured, latency_us, shapes_from(result), local)
     return {
         "source": str(path),
         "latency_us": latency_us,
         "rows": rows,
+        "peer_rows": peermodel.validate_peers(measured, latency_us),
         "note": "",
         "local_source": local_source,
     }

@@ -126,6 +126,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="forward + backward per step (default: %(default)s: step time without compute)",
     )
     add(
+        "--peers",
+        type=_peers,
+        default=model.peers,
+        help="what users would pick instead, predicted beside the sparsifiers: ddp, fp16, "
+        "bf16, powersgd(rank=R), by commas; 'none' for no peers (default: "
+        f"{','.join(model.peers)})",
+    )
+    add(
         "--select-results",
         metavar="FILE",
         default=None,
@@ -148,6 +156,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--quick", action="store_true", help="n = 1,4,16,64, 6 steps")
     bench_options.add_common(parser, "simulate")
     parser.set_defaults(run=_run, parser=parser)
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    from microsparse.bench import peers
+    from microsparse.bench.workload import split_labels
+
+    if text == peers.NO_EXCHANGE:
+        return ()
+    names = split_labels(text)
+    for name in names:
+        try:
+            method = peers.parse(name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if method.kind != "peer":
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not a peer: choose from {', '.join(peers.PEERS)} (the "
+                "sparsifiers are chosen with --sparsifiers)"
+            )
+    return names
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -185,6 +213,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             compute_ms=args.compute_ms,
             select_results=args.select_results,
             algorithms=args.algorithms,
+            peers=args.peers,
         )
         result["prediction"] = simulate.predict(result, model)
     if args.cluster_results:
