@@ -90,6 +90,39 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert (meta["step"], meta["epoch"], meta["batch"], meta["world_size"]) == (8, 0, 8, 2)
 
 
+@pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)"])
+def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
+    """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
+    bytes per step from the peers' model and the runs labelled by the hook."""
+    from microsparse.bench import peermodel
+    from microsparse.reports import load_run
+    from microsparse.training import TrainConfig
+    from microsparse.training.tasks import get_task
+
+    out = tmp_path / "run"
+    result = run_cli("train", "--workers", "2", "--max-steps", "4", "--no-progress",
+                     "--integration", "ddp", "--ddp-hook", hook, "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert all(r["loss"] == r["loss"] for r in records)  # trained, no NaN
+    config = TrainConfig(task="mnist").resolved()  # the MNIST CNN, as the run built it
+    task = get_task("mnist")
+    data = task.load(None, config.task_options)
+    model = task.build_model(config.model, data, 1, config.model_options)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    expected = peermodel.peer_bytes(hook, shapes, 2)
+    assert {r["bytes_sent"] for r in records} == {expected}
+    dense = records[0]["dense_bytes"]
+    assert expected == {"ddp": dense, "fp16": dense // 2}.get(hook, expected) and expected > 0
+    if hook.startswith("powersgd"):
+        assert expected < dense / 10
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["ddp_hook"] == hook
+    assert f"DDP hook {hook}" in result.stdout
+    assert load_run(out).sparsifier == hook
+
+
 @pytest.mark.parametrize(
     ("args", "option"),
     [
@@ -112,6 +145,11 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
         (["--integration", "ddp", "--capture-gradients", "x"], "--capture-gradients"),
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--decay-epochs", "a"], "--decay-epochs"),
+        (["--ddp-hook", "fp16"], "--ddp-hook"),  # a DDP hook needs --integration ddp
+        (["--integration", "ddp", "--ddp-hook", "topk"], "--ddp-hook"),
+        (["--integration", "ddp", "--ddp-hook", "powersgd(rnk=2)"], "--ddp-hook"),
+        (["--integration", "ddp", "--ddp-hook", "powersgd", "--checkpoint-every", "2"],
+         "--ddp-hook"),  # fmt: skip
     ],
 )
 def test_bad_option_exits_2_naming_the_option(args, option, capsys, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from microsparse.cli import main
-from microsparse.reports import load_runs, results_table
+from microsparse.reports import load_run, load_runs, results_table
 from microsparse.reports import tensorboard as tensorboard_module
 from microsparse.stats import StepStats
 
@@ -88,6 +88,13 @@ def test_report_writes_a_table_row_per_run_and_the_plots(tmp_path, capsys):
     assert by_run["micro"]["epochs_to_target"] == "2"
     assert float(by_run["micro"]["seconds_to_target"]) == pytest.approx(4.0)
     assert by_run["topk"]["epochs_to_target"] == ""  # never reached
+    # Steps and bytes to the target: every step of the first two epochs, 8 bytes a selection.
+    micro_steps = 2 * STEPS_PER_EPOCH
+    assert by_run["micro"]["steps_to_target"] == str(micro_steps)
+    assert float(by_run["micro"]["bytes_to_target"]) == sum(
+        8 * (10 + step % 3) for step in range(micro_steps)
+    )
+    assert by_run["topk"]["steps_to_target"] == by_run["topk"]["bytes_to_target"] == ""
     assert by_run["dense"]["metric"] == "test_accuracy"
     assert float(by_run["micro"]["build_up"]) == pytest.approx(1.1, abs=0.01)
     markdown = (out / "results.md").read_text()
@@ -107,6 +114,16 @@ def test_lower_is_better_metric_sets_the_target_above_dense(tmp_path):
     micro = next(row for row in table.rows if row["run"] == "micro")
     assert micro["epochs_to_target"] == 3
     assert micro["best_metric"] == 155.0
+
+
+def test_target_fraction_is_of_the_dense_run(tmp_path):
+    runs = tmp_path / "runs"
+    dense = load_run(write_run(runs / "dense", "dense", "test_accuracy", [0.6, 0.8, 1.0]))
+    micro = load_run(write_run(runs / "micro", "micro", "test_accuracy", [0.5, 0.9, 0.97]))
+    table = results_table([dense, micro], fraction=0.98)
+    assert table.target.value == pytest.approx(0.98)
+    assert table.target.source == "98% of the dense run's final test_accuracy"
+    assert [row["epochs_to_target"] for row in table.rows] == [3, None]
 
 
 def test_metric_named_by_the_summary_wins_and_given_target_is_used(tmp_path):

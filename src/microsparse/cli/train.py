@@ -126,6 +126,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
         "with the sparse comm hook (the same step, overlapped with backward) (default: loop)",
     )
+    add(
+        "--ddp-hook",
+        metavar="HOOK",
+        help="with --integration ddp: microsparse (the sparse hook, --sparsifier), or what "
+        "users would pick instead, for comparison: ddp (stock DDP), fp16, bf16, "
+        "powersgd(rank=R) (torch's hooks; --sparsifier and --density are then unused) "
+        "(default: microsparse)",
+    )
     recipe = train.add_argument_group("recipe (default: the task's)")
     add = recipe.add_argument
     add("--epochs", type=arguments.positive_int)
@@ -258,6 +266,8 @@ def _config(
         values = config_from_file(args.config) if args.config else {}
         values.update(given)
         task, sparsifier = values.get("task", "mnist"), values.get("sparsifier", "micro")
+        if values.get("ddp_hook", "microsparse") != "microsparse":
+            sparsifier = values["ddp_hook"]
         values.setdefault("out", f"runs/{task}-{sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}")
         if values.get("capture_gradients"):
             values.setdefault("capture_steps", 1)

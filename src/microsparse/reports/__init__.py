@@ -16,6 +16,7 @@ from pathlib import Path
 from microsparse.reports.plots import PLOTS, write_plots
 from microsparse.reports.runs import Metric, Run, RunError, find_runs, load_run, load_runs
 from microsparse.reports.table import (
+    TARGET_FRACTION,
     Table,
     Target,
     choose_target,
@@ -27,12 +28,17 @@ from microsparse.reports.tensorboard import tensorboard_available, write_tensorb
 
 
 def write_report(
-    runs: list[Run], out: str | Path, target: float | None = None, plots: bool = True
+    runs: list[Run],
+    out: str | Path,
+    target: float | None = None,
+    plots: bool = True,
+    fraction: float = TARGET_FRACTION,
 ) -> list[Path]:
-    """Write ``results.md``, ``results.csv`` and (unless ``plots=False``) the PNGs into ``out``."""
+    """Write ``results.md``, ``results.csv`` and (unless ``plots=False``) the PNGs into ``out``;
+    without ``target`` it is ``fraction`` of the dense run's final metric."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    table = results_table(runs, target)
+    table = results_table(runs, target, fraction)
     markdown, csv = out / "results.md", out / "results.csv"
     markdown.write_text(to_markdown(table), encoding="utf-8")
     csv.write_text(to_csv(table), encoding="utf-8")

@@ -76,6 +76,10 @@ class Run:
 
     @property
     def sparsifier(self) -> str:
+        """The sparsifier, or the DDP hook of a peer run (``--ddp-hook powersgd``)."""
+        hook = self.config.get("ddp_hook", "microsparse")
+        if hook != "microsparse":
+            return str(hook)
         return str(self.config.get("sparsifier") or self.path.name)
 
     @property

@@ -52,9 +52,11 @@ def common_metric(runs: list[Run]) -> Metric:
     return runs[0].metric
 
 
-def choose_target(runs: list[Run], given: float | None = None) -> Target:
-    """``given`` if set; else 95 % of the dense run's final metric (105 % when lower is
-    better); else the same fraction of the best final metric among the runs.
+def choose_target(
+    runs: list[Run], given: float | None = None, fraction: float = TARGET_FRACTION
+) -> Target:
+    """``given`` if set; else ``fraction`` (95 %) of the dense run's final metric (105 % when
+    lower is better); else the same fraction of the best final metric among the runs.
 
     Example:
         >>> choose_target([], given=0.9)
@@ -73,8 +75,8 @@ def choose_target(runs: list[Run], given: float | None = None) -> Target:
         reference = max(finals) if metric.higher_is_better else min(finals)
         of = "the best run's final"
     if metric.higher_is_better:
-        return Target(TARGET_FRACTION * reference, f"{TARGET_FRACTION:.0%} of {of} {metric.name}")
-    factor = 2 - TARGET_FRACTION
+        return Target(fraction * reference, f"{fraction:.0%} of {of} {metric.name}")
+    factor = 2 - fraction
     return Target(factor * reference, f"{factor:.0%} of {of} {metric.name} (lower is better)")
 
 
@@ -86,7 +88,17 @@ def time_to_target(run: Run, target: Target) -> tuple[int | None, float | None]:
     return None, None
 
 
-def results_table(runs: list[Run], target: float | None = None) -> Table:
+def cost_to_target(run: Run, epochs: int | None) -> tuple[int | None, float | None]:
+    """(steps, bytes one worker sent) up to the end of epoch ``epochs`` (None: not reached)."""
+    if epochs is None:
+        return None, None
+    steps = [record for record in run.steps if int(record.get("epoch", 0)) < epochs]
+    return len(steps), float(sum(record.get("bytes_sent", 0) for record in steps))
+
+
+def results_table(
+    runs: list[Run], target: float | None = None, fraction: float = TARGET_FRACTION
+) -> Table:
     """The comparison of ``runs``: quality, time to target, traffic and time per step.
 
     Times per step are means over all steps of rank 0's timers; ``other`` is the rest of the
@@ -94,7 +106,7 @@ def results_table(runs: list[Run], target: float | None = None) -> Table:
     backward and are counted as compute).
     """
     metric = common_metric(runs)
-    chosen = choose_target(runs, target)
+    chosen = choose_target(runs, target, fraction)
     rows = [_row(run, metric, chosen) for run in runs]
     name = metric.name
     better = "higher" if metric.higher_is_better else "lower"
@@ -108,6 +120,8 @@ def results_table(runs: list[Run], target: float | None = None) -> Table:
         ("best_metric", f"best {name}", ".4g"),
         ("epochs_to_target", "epochs to target", "d"),
         ("seconds_to_target", "s to target", ".1f"),
+        ("steps_to_target", "steps to target", "d"),
+        ("bytes_to_target", "MB/worker to target", "mb"),
         ("mean_density", "mean density", ".3g"),
         ("ratio_error", r"mean \|K/k−1\|", ".3f"),
         ("ratio_error_second_half", r"\|K/k−1\|, 2nd half", ".3f"),
@@ -165,6 +179,7 @@ def _row(run: Run, metric: Metric, target: Target) -> dict[str, Any]:
     values = run.metric_per_epoch()
     best = (max if metric.higher_is_better else min)(values) if values else None
     epochs, seconds = time_to_target(run, target)
+    steps_to_target, bytes_to_target = cost_to_target(run, epochs)
     step_ms = 1000 * run.mean("step_seconds")
     compute, select, exchange = (
         1000 * run.mean(f"{part}_seconds") for part in ("compute", "select", "exchange")
@@ -182,6 +197,8 @@ def _row(run: Run, metric: Metric, target: Target) -> dict[str, Any]:
         "best_metric": best,
         "epochs_to_target": epochs,
         "seconds_to_target": seconds,
+        "steps_to_target": steps_to_target,
+        "bytes_to_target": bytes_to_target,
         "mean_density": run.mean("density"),
         "ratio_error": run.mean("ratio_error"),
         "ratio_error_second_half": run.mean("ratio_error", first=len(run.steps) // 2),
@@ -218,6 +235,8 @@ def _format(value: Any, fmt: str) -> str:
         return str(value)
     if fmt == "kb":
         return f"{value / 1000:.1f}"
+    if fmt == "mb":
+        return f"{value / 1e6:.3g}"
     if fmt == "d":
         return str(int(value))
     return format(value, fmt)

@@ -66,6 +66,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps (in all), even mid-epoch
     progress: bool = True  # tqdm bar on rank 0
     integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
+    ddp_hook: str = "microsparse"  # or a peer (``bench.peers``): ddp, fp16, bf16, powersgd(rank=R)
     checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
@@ -129,6 +130,8 @@ class TrainConfig:
         """Raise ConfigError naming the first field whose value cannot work."""
         _require(self.optimizer in ("sgd", "adam"), "optimizer", "must be sgd or adam")
         _require(self.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
+        if self.ddp_hook != "microsparse":
+            _check_peer(self)
         _require(
             not (self.capture_gradients and self.integration != "loop"),
             "capture_gradients",
@@ -154,6 +157,30 @@ class TrainConfig:
         )
         _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
         _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")
+
+
+def _check_peer(config: TrainConfig) -> None:
+    from microsparse.bench import peers
+
+    choices = f"microsparse, {', '.join(peers.PEERS)} or powersgd(rank=R)"
+    unknown = f"must be one of {choices}; got {config.ddp_hook!r}"
+    try:
+        method = peers.parse(config.ddp_hook)
+    except ValueError as error:
+        known = config.ddp_hook.partition("(")[0] in peers.PEERS
+        raise ConfigError("ddp_hook", str(error) if known else unknown) from None
+    _require(method.kind == "peer", "ddp_hook", unknown)
+    _require(
+        config.integration == "ddp",
+        "ddp_hook",
+        f"{config.ddp_hook} is a DDP comm hook: it needs integration ddp",
+    )
+    _require(
+        not (config.checkpointing and method.sparsifier == "powersgd"),
+        "ddp_hook",
+        "powersgd keeps state (error feedback, warm start) that checkpoints do not save; "
+        "train without --checkpoint-every or with ddp_hook microsparse",
+    )
 
 
 def config_from_file(path: str | Path) -> dict[str, Any]:

@@ -187,10 +187,16 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
     traffic = summary["traffic_ratio"]
     first, last = summary["after_warmup_steps"]
     shown = ", ".join(f"{_label(name)} {value:.4f}" for name, value in summary["metrics"].items())
+    hook = config.get("ddp_hook", "microsparse")
+    method = (
+        f"{config['sparsifier']} at density {config['density']:g}"
+        if hook == "microsparse"
+        else f"DDP hook {hook}"
+    )
     lines = [
-        f"{summary['task']} / {summary['model']}: {config['sparsifier']} at density "
-        f"{config['density']:g}, {config['world_size']} workers, {config['integration']} "
-        f"integration: {summary['steps']} steps in {summary['seconds']['wall']:.1f} s",
+        f"{summary['task']} / {summary['model']}: {method}, {config['world_size']} workers, "
+        f"{config['integration']} integration: {summary['steps']} steps in "
+        f"{summary['seconds']['wall']:.1f} s",
         f"  {shown}, final loss {summary['final_loss']:.4f}",
         f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
         f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
@@ -155,8 +156,12 @@ class Averaging:
         self.model = model
         self._reducer: GradientReducer | None = None
         self._state: SparseState | None = None
+        self._peer: PeerAveraging | None = None
         options = config.sparsifier_options()
-        if config.integration == "ddp":
+        if config.ddp_hook != "microsparse":
+            self._peer = PeerAveraging(model, config.ddp_hook)
+            self.model = self._peer.model
+        elif config.integration == "ddp":
             self._state = SparseState(
                 config.sparsifier, config.density, timeout=config.timeout, **options
             )
@@ -168,26 +173,67 @@ class Averaging:
             )
 
     def synchronize(self) -> StepStats:
+        if self._peer is not None:
+            return self._peer.step()
         if self._reducer is not None:
             return self._reducer.synchronize()
         assert self._state is not None and self._state.last_step is not None
         return self._state.last_step
 
     def options(self) -> dict[str, Any]:
+        if self._peer is not None:
+            return {"ddp_hook": self._peer.name}
         if self._reducer is not None:
             return self._reducer.sparsifier.options()
         assert self._state is not None
         return self._state.options
 
     def state_dict(self) -> dict[str, Any]:
+        if self._peer is not None:
+            return {"steps": self._peer.steps}  # stateless hooks (config refuses powersgd)
         source = self._reducer if self._reducer is not None else self._state
         assert source is not None
         return source.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._peer is not None:
+            self._peer.steps = int(state["steps"])
+            return
         source = self._reducer if self._reducer is not None else self._state
         assert source is not None
         source.load_state_dict(state)
+
+
+class PeerAveraging:
+    """DDP with one of torch's hooks (or none: stock DDP), for comparison with microsparse.
+
+    They report no selection, so each step's :class:`StepStats` is the model's:
+    every entry averaged, the bytes of :func:`microsparse.bench.peermodel.peer_bytes`.
+    PowerSGD compresses from the third step (``bench.peers.attach``).
+    """
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        from microsparse.bench import peermodel, peers
+
+        self.name = name
+        self.model, _ = peers.attach(peers.parse(name), model, density=1.0, start=2)
+        self.steps = 0
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        self._numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._world_size = dist.get_world_size()
+        self._bytes = peermodel.peer_bytes(name, shapes, self._world_size)
+        self._dense = all_reduce_bytes(4 * self._numel, self._world_size)
+
+    def step(self) -> StepStats:
+        d, n = self._numel, self._world_size
+        stats = StepStats(
+            step=self.steps, numel=d, world_size=n, selected=d, target=d,
+            threshold=float("nan"), local_selected=d, max_local_selected=d, partition=None,
+            bytes_sent=self._bytes, dense_bytes=self._dense, select_seconds=0.0,
+            exchange_seconds=0.0, proposed=d,
+        )  # fmt: skip
+        self.steps += 1
+        return stats
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
