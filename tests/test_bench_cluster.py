@@ -278,7 +278,7 @@ def test_a_swallowed_signal_still_stops_the_wait():
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(netns.Interrupted):
-            cluster_module._wait([(0, sleeper, Path("unused.log"))], 60, cluster)
+            cluster_module.wait_for_workers([(0, sleeper, Path("unused.log"))], 60, cluster)
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -115,7 +115,7 @@ class BenchError(RuntimeError):
     """A configuration could not be measured (a worker failed or timed out)."""
 
 
-def refusal(euid: int | None = None) -> str | None:
+def refusal(euid: int | None = None, command: str = "cluster") -> str | None:
     """Why this machine cannot run the benchmark (one line naming the fix), or None.
 
     Example:
@@ -125,7 +125,7 @@ def refusal(euid: int | None = None) -> str | None:
     if (os.geteuid() if euid is None else euid) != 0:
         return (
             "needs root to create network namespaces and shape links with tc; run it as root, "
-            "e.g. sudo .venv/bin/microsparse bench cluster"
+            f"e.g. sudo .venv/bin/microsparse bench {command}"
         )
     missing = netns.missing_tools()
     if missing:
@@ -225,11 +225,11 @@ def _measure(cluster: netns.Cluster, config: BenchConfig, out: Path) -> dict[str
         with open(log_file, "w", encoding="utf-8") as stream:
             process = cluster.popen(rank, argv, env=env, stdout=stream, stderr=subprocess.STDOUT)
         workers.append((rank, process, log_file))
-    _wait(workers, config.timeout, cluster)
+    wait_for_workers(workers, config.timeout, cluster)
     return json.loads(result_file.read_text(encoding="utf-8"))
 
 
-def _wait(
+def wait_for_workers(
     workers: list[tuple[int, subprocess.Popen[Any], Path]],
     timeout: float,
     cluster: netns.Cluster,
@@ -457,4 +457,5 @@ __all__ = [
     "run_benchmark",
     "summarize_configuration",
     "to_markdown",
+    "wait_for_workers",
 ]

@@ -232,7 +232,8 @@ def predict_rows(
 
     ``step_ms`` adds everything up (nothing hidden); ``overlapped_step_ms`` is the bound
     where DDP hides all communication behind the backward pass: max(compute + local,
-    communication).
+    communication), except with one bucket (PowerSGD here), which is ready only when
+    backward ends and hides nothing.
     """
     from microsparse.bench import costmodel
 
@@ -242,6 +243,7 @@ def predict_rows(
     rows: list[dict[str, object]] = []
     for name in names:
         local_ms = 1e3 * local_seconds(name, shapes, max(2, max(workers)))
+        one_bucket = peers.parse(name).one_bucket
         for world_size in workers:
             collectives = peer_collectives(name, shapes, world_size)
             for gbit in rates_gbit:
@@ -259,7 +261,9 @@ def predict_rows(
                     "overhead_ms": local_ms,
                     "compute_ms": compute_ms,
                     "step_ms": compute_ms + local_ms + comm_ms,
-                    "overlapped_step_ms": max(compute_ms + local_ms, comm_ms),
+                    "overlapped_step_ms": compute_ms + local_ms + comm_ms
+                    if one_bucket
+                    else max(compute_ms + local_ms, comm_ms),
                     "collectives": len(collectives),
                     "bytes_per_worker": peer_bytes(name, shapes, world_size),
                 })  # fmt: skip
@@ -273,8 +277,9 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
     from compute. Model step = the no-exchange row's (``none``) step + the peer's local
     arithmetic (:func:`local_seconds`) + its collectives at the probed rate (nothing
     hidden), and the overlapped bound = none's step − none's compute + max(none's compute
-    + local, collectives). The local arithmetic is timed on one thread, as the test bed's
-    workers run. Bytes: the model's against the link counters.
+    + local, collectives), except with one bucket (ready only when backward ends). The local
+    arithmetic is timed on the threads each test-bed worker had (cores // hosts). Bytes: the
+    model's against the link counters.
     """
     from microsparse.bench import costmodel
     from microsparse.bench.cluster_worker import MODELS
@@ -282,7 +287,8 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
     config = results.get("config", {})
     model = MODELS[config.get("model", "resnet18")](config.get("seed", 1))  # type: ignore[union-attr]
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    local_ms: dict[str, float] = {}
+    local_ms: dict[tuple[str, int], float] = {}
+    cores = int(results.get("machine", {}).get("cores") or 1)  # type: ignore[union-attr]
     rows: list[dict[str, object]] = []
     for configuration in results.get("configurations", []):  # type: ignore[union-attr]
         n, probe = configuration["hosts"], configuration.get("probe", {})
@@ -298,30 +304,32 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
                     continue
             except ValueError:
                 continue
-            if name not in local_ms:  # on one thread, as the test bed's workers run
-                threads = torch.get_num_threads()
-                torch.set_num_threads(1)
+            threads = max(1, cores // n)  # what each test-bed worker had
+            if (name, threads) not in local_ms:
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
                 try:
-                    local_ms[name] = 1e3 * local_seconds(name, shapes, n)
+                    local_ms[name, threads] = 1e3 * local_seconds(name, shapes, n)
                 finally:
-                    torch.set_num_threads(threads)
+                    torch.set_num_threads(before)
+            local = local_ms[name, threads]
             comm_ms = 1e3 * sum(
                 costmodel.collective_seconds(kind, size, n, network)
                 for kind, size in peer_collectives(name, shapes, n)
             )
-            serial = bound["step_ms"] + local_ms[name] + comm_ms
+            serial = bound["step_ms"] + local + comm_ms
             hidden = (
-                bound["step_ms"]
-                - bound["compute_ms"]
-                + max(bound["compute_ms"] + local_ms[name], comm_ms)
+                bound["step_ms"] - bound["compute_ms"] + max(bound["compute_ms"] + local, comm_ms)
             )
+            if peers.parse(name).one_bucket:
+                hidden = serial
             rows.append({
                 "hosts": n,
                 "rate": configuration["rate"],
                 "sparsifier": name,
                 "measured_step_ms": row["step_ms"],
                 "bound_step_ms": bound["step_ms"],
-                "local_ms": local_ms[name],
+                "local_ms": local,
                 "communication_ms": comm_ms,
                 "predicted_step_ms": serial,
                 "overlapped_step_ms": hidden,

@@ -111,7 +111,10 @@ def attach(method: Method, model: nn.Module, density: float, start: int) -> tupl
     import microsparse.ddp as mddp
 
     # DDP's own bucket defaults (1 MiB first, 25 MiB after), as a user gets them.
-    ddp = DistributedDataParallel(model, bucket_cap_mb=10_000 if method.one_bucket else None)
+    from microsparse.bench.peermodel import ONE_BUCKET_BYTES
+
+    one_bucket_mb = ONE_BUCKET_BYTES >> 20
+    ddp = DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb if method.one_bucket else None)
     state: Any = None
     if method.kind == "hook":
         state = mddp.SparseState(method.sparsifier, density, **method.options)

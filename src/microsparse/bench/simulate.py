@@ -576,8 +576,9 @@ def markdown_peer_validation(rows: list[dict[str, Any]]) -> str:
     ]  # fmt: skip
     return (
         "The peers through DDP (model step = the no-exchange row's step + the peer's own "
-        "arithmetic, timed here on one thread + its collectives at the probed rate; 'all "
-        "hidden' overlaps the collectives with compute):\n\n" + markdown_table(headers, table)
+        "arithmetic, timed here on the threads each worker had + its collectives at the "
+        "probed rate; 'all hidden' overlaps the collectives with compute, except for one "
+        "bucket):\n\n" + markdown_table(headers, table)
     )
 
 

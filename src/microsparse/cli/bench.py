@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
-from typing import TypeVar
 
-from microsparse.bench import netns, peers
+from microsparse.bench import netns
 from microsparse.bench.cluster import (
     QUICK,
     BenchConfig,
@@ -22,10 +20,15 @@ from microsparse.bench.cluster import (
     run_benchmark,
 )
 from microsparse.bench.cluster_worker import MODELS
-from microsparse.cli import arguments, bench_controller, bench_options, bench_overhead, bench_select
+from microsparse.cli import (
+    arguments,
+    bench_accuracy,
+    bench_controller,
+    bench_options,
+    bench_overhead,
+    bench_select,
+)
 from microsparse.sparsifiers import available_sparsifiers
-
-T = TypeVar("T")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -56,20 +59,20 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
     add = cluster.add_argument
     add(
         "--hosts",
-        type=_list_of(_host_count),
+        type=bench_options.listing(bench_options.host_count),
         default=None,
         help=f"host counts, comma-separated (default {_join(full.hosts)}; quick "
         f"{_join(QUICK['hosts'])})",
     )
     add(
         "--rates",
-        type=_list_of(_rate),
+        type=bench_options.listing(bench_options.link_rate),
         default=None,
         help=f"link rates, tc syntax (default {_join(full.rates)})",
     )
     add(
         "--sparsifiers",
-        type=_methods,
+        type=bench_options.methods,
         default=None,
         help=f"methods: a sparsifier ({', '.join(names)}) for the loop API, NAME@ddp for the "
         "DDP hook, or a peer: ddp, fp16, bf16, powersgd(rank=R), and none (the no-exchange "
@@ -135,6 +138,7 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
 
 BENCHMARKS = [
     add_cluster,
+    bench_accuracy.add_parser,
     bench_select.add_parser,
     bench_overhead.add_parser,
     bench_controller.add_parser,
@@ -186,31 +190,6 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def _list_of(item_type: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
-    def parse(text: str) -> tuple[T, ...]:
-        items = [part.strip() for part in text.split(",") if part.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
-        return tuple(dict.fromkeys(item_type(item) for item in items))
-
-    return parse
-
-
-def _host_count(text: str) -> int:
-    value = arguments.positive_int(text)
-    if not 2 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"host counts must be between 2 and 64, got {value}")
-    return value
-
-
-def _rate(text: str) -> str:
-    try:
-        netns.rate_bits(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text.strip().lower()
-
-
 def _non_negative_int(text: str) -> int:
     return 0 if text.strip() == "0" else arguments.positive_int(text)
 
@@ -224,14 +203,3 @@ def _describe_quick(quick: dict) -> str:
         f"hosts {_join(quick['hosts'])}, rates {_join(quick['rates'])}, sparsifiers "
         f"{_join(quick['sparsifiers'])}, {quick['steps']} steps after {quick['warmup']} warm-up"
     )
-
-
-def _methods(text: str) -> tuple[str, ...]:
-    """Method names for ``--sparsifiers`` (``bench.peers``), each checked here."""
-    labels = bench_options.names(text)
-    for label in labels:
-        try:
-            peers.parse(label)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-    return labels

@@ -52,6 +52,39 @@ def names(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def methods(text: str) -> tuple[str, ...]:
+    """Method names of the test bed (``bench.peers``: sparsifiers, ``NAME@ddp``, peers),
+    each checked here."""
+    from microsparse.bench import peers
+
+    labels = names(text)
+    for label in labels:
+        try:
+            peers.parse(label)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return labels
+
+
+def host_count(text: str) -> int:
+    """Hosts of the namespace test bed: 2 to 64."""
+    value = arguments.positive_int(text)
+    if not 2 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"host counts must be between 2 and 64, got {value}")
+    return value
+
+
+def link_rate(text: str) -> str:
+    """A link rate in tc syntax (``100mbit``, ``1gbit``), checked."""
+    from microsparse.bench import netns
+
+    try:
+        netns.rate_bits(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text.strip().lower()
+
+
 def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
     """``--sparsifiers``: the variants to run, each a label or ``name(key=value,...)``."""
     parser.add_argument(

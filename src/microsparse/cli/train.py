@@ -130,9 +130,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--ddp-hook",
         metavar="HOOK",
         help="with --integration ddp: microsparse (the sparse hook, --sparsifier), or what "
-        "users would pick instead, for comparison: ddp (stock DDP), fp16, bf16, "
-        "powersgd(rank=R) (torch's hooks; --sparsifier and --density are then unused) "
-        "(default: microsparse)",
+        "users would pick instead, for comparison: ddp (stock DDP), fp16, bf16 (torch's "
+        "compression hooks), powersgd(rank=R) (torch's powerSGD_hook with one bucket holding "
+        "the whole model, plain all-reduce for 2 steps, then compressed); --sparsifier and "
+        "--density are then unused (default: microsparse)",
     )
     recipe = train.add_argument_group("recipe (default: the task's)")
     add = recipe.add_argument

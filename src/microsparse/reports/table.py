@@ -236,7 +236,7 @@ def _format(value: Any, fmt: str) -> str:
     if fmt == "kb":
         return f"{value / 1000:.1f}"
     if fmt == "mb":
-        return f"{value / 1e6:.3g}"
+        return f"{value / 1e6:.3g}" if value < 1e9 else f"{value / 1e6:,.0f}"
     if fmt == "d":
         return str(int(value))
     return format(value, fmt)

@@ -167,19 +167,19 @@ def _check_peer(config: TrainConfig) -> None:
     try:
         method = peers.parse(config.ddp_hook)
     except ValueError as error:
-        known = config.ddp_hook.partition("(")[0] in peers.PEERS
+        known = config.ddp_hook.partition("(")[0].partition("@")[0] in peers.PEERS
         raise ConfigError("ddp_hook", str(error) if known else unknown) from None
     _require(method.kind == "peer", "ddp_hook", unknown)
     _require(
         config.integration == "ddp",
         "ddp_hook",
-        f"{config.ddp_hook} is a DDP comm hook: it needs integration ddp",
+        f"{config.ddp_hook} trains through DistributedDataParallel: add --integration ddp",
     )
     _require(
         not (config.checkpointing and method.sparsifier == "powersgd"),
         "ddp_hook",
         "powersgd keeps state (error feedback, warm start) that checkpoints do not save; "
-        "train without --checkpoint-every or with ddp_hook microsparse",
+        "train without --checkpoint-every, or with --ddp-hook microsparse",
     )
 
 

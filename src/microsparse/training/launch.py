@@ -137,7 +137,12 @@ def _run_rank(
     data: Any = None,
 ) -> None:
     # spawn does not set OMP_NUM_THREADS: without this every worker would use every core.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
+    # One the caller set (a test bed sharing the cores among hosts) is kept.
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_workers))
     backend = "gloo"
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)

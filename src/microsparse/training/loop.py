@@ -146,7 +146,8 @@ def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) 
 
 
 class Averaging:
-    """How gradients are averaged: ``GradientReducer`` after backward, or DDP's comm hook.
+    """How gradients are averaged: ``GradientReducer`` after backward, DDP's comm hook, or
+    (``ddp_hook``) DDP with one of torch's hooks, for comparison (:class:`PeerAveraging`).
 
     With ``ddp`` the exchange overlaps the backward pass, so the step's compute time includes
     what of it was not hidden, and the statistics come from the hook's state.
@@ -204,19 +205,27 @@ class Averaging:
         source.load_state_dict(state)
 
 
+POWERSGD_START = 2
+"""Steps of plain all-reduce before PowerSGD compresses (torch's ``start_powerSGD_iter``)."""
+
+
 class PeerAveraging:
     """DDP with one of torch's hooks (or none: stock DDP), for comparison with microsparse.
 
     They report no selection, so each step's :class:`StepStats` is the model's:
     every entry averaged, the bytes of :func:`microsparse.bench.peermodel.peer_bytes`.
-    PowerSGD compresses from the third step (``bench.peers.attach``).
+    PowerSGD runs as ``bench.peers.attach`` sets it up: one bucket holding the whole model
+    (torch's hook raced on gloo with DDP's buckets), a plain all-reduce for the first
+    ``POWERSGD_START`` steps (counted as dense bytes) and compression from then on.
     """
 
     def __init__(self, model: nn.Module, name: str) -> None:
         from microsparse.bench import peermodel, peers
 
         self.name = name
-        self.model, _ = peers.attach(peers.parse(name), model, density=1.0, start=2)
+        method = peers.parse(name)
+        self.model, _ = peers.attach(method, model, density=1.0, start=POWERSGD_START)
+        self._start = POWERSGD_START if method.sparsifier == "powersgd" else 0
         self.steps = 0
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
         self._numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -229,7 +238,8 @@ class PeerAveraging:
         stats = StepStats(
             step=self.steps, numel=d, world_size=n, selected=d, target=d,
             threshold=float("nan"), local_selected=d, max_local_selected=d, partition=None,
-            bytes_sent=self._bytes, dense_bytes=self._dense, select_seconds=0.0,
+            bytes_sent=self._bytes if self.steps >= self._start else self._dense,
+            dense_bytes=self._dense, select_seconds=0.0,
             exchange_seconds=0.0, proposed=d,
         )  # fmt: skip
         self.steps += 1
