@@ -239,7 +239,7 @@ class PeerAveraging:
             step=self.steps, numel=d, world_size=n, selected=d, target=d,
             threshold=float("nan"), local_selected=d, max_local_selected=d, partition=None,
             bytes_sent=self._bytes if self.steps >= self._start else self._dense,
-            dense_bytes=self._dense, select_seconds=0.0,
+            dense_bytes=self._dense, select_seconds=0.0, exchange="dense",
             exchange_seconds=0.0, proposed=d,
         )  # fmt: skip
         self.steps += 1
