@@ -73,8 +73,12 @@ def record_all_reduces(rank: int, world_size: int, name: str) -> list[tuple[int,
 def test_collectives_are_those_torch_issues(tmp_path, name):
     shapes = [tuple(p.shape) for p in small_model().parameters()]
     predicted = peermodel.peer_collectives(name, shapes, 2)
-    seen = run_ranks(record_all_reduces, 2, tmp_path, name)
-    assert seen[0] == seen[1]
+    # torch's powerSGD_hook with several buckets chains each bucket's all-reduces on gloo's
+    # threads, so ranks can issue them in different orders and hang (why bench.peers gives
+    # PowerSGD one bucket); a single rank issues the same collectives without a partner.
+    ranks = 1 if name == "powersgd(buckets=default)" else 2
+    seen = run_ranks(record_all_reduces, ranks, tmp_path, name)
+    assert all(mine == seen[0] for mine in seen)
     buckets = 1 if "powersgd" in name and "default" not in name else 2
     assert len(predicted) == buckets * (3 if "powersgd" in name else 1)
     assert [("all_reduce", entries * size) for entries, size in seen[0]] == predicted
