@@ -150,6 +150,7 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--ddp-hook", "fp16"], "--ddp-hook"),  # a DDP hook needs --integration ddp
         (["--integration", "ddp", "--ddp-hook", "topk"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(rnk=2)"], "--ddp-hook"),
+        (["--integration", "ddp", "--ddp-hook", "powersgd(buckets=default)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd", "--checkpoint-every", "2"],
          "--ddp-hook"),  # fmt: skip
     ],

@@ -176,6 +176,13 @@ def _check_peer(config: TrainConfig) -> None:
         f"{config.ddp_hook} trains through DistributedDataParallel: add --integration ddp",
     )
     _require(
+        not (method.sparsifier == "powersgd" and not method.one_bucket and config.device != "cuda"),
+        "ddp_hook",
+        "torch's powerSGD_hook with DDP's buckets can hang on gloo (each bucket's all-reduces "
+        "are chained on gloo's threads and ranks may issue them in different orders); use "
+        "powersgd, which gives it one bucket",
+    )
+    _require(
         not (config.checkpointing and method.sparsifier == "powersgd"),
         "ddp_hook",
         "powersgd keeps state (error feedback, warm start) that checkpoints do not save; "
