@@ -59,6 +59,11 @@ class AccuracyConfig:
     out: str = "runs/bench-accuracy"
 
     def __post_init__(self) -> None:
+        """ValueError ``"FIELD: what is wrong"`` for the first field that cannot work."""
+        from microsparse.training.tasks import available_tasks
+
+        if self.task not in available_tasks():
+            raise ValueError(f"task: must be one of {', '.join(available_tasks())}")
         if self.hosts < 2:
             raise ValueError(f"hosts must be at least 2, got {self.hosts}")
         for name in self.methods:
@@ -69,9 +74,10 @@ class AccuracyConfig:
             if method.kind == "none":
                 raise ValueError("methods: 'none' trains no model together; leave it out")
         if "dense" not in self.methods:
-            raise ValueError("methods must include dense: the target is a fraction of its metric")
+            raise ValueError("methods: must include dense (the target is a fraction of its "
+                             "final metric)")  # fmt: skip
         if not 0 < self.target_fraction <= 1:
-            raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
+            raise ValueError(f"target_fraction: must be in (0, 1], got {self.target_fraction}")
 
 
 def train_arguments(name: str, config: AccuracyConfig) -> list[str]:

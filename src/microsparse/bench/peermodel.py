@@ -246,6 +246,7 @@ def predict_rows(
         one_bucket = peers.parse(name).one_bucket
         for world_size in workers:
             collectives = peer_collectives(name, shapes, world_size)
+            sent = peer_bytes(name, shapes, world_size)
             for gbit in rates_gbit:
                 network = costmodel.Network.of(gbit, latency_us)
                 comm_ms = 1e3 * sum(
@@ -265,7 +266,7 @@ def predict_rows(
                     if one_bucket
                     else max(compute_ms + local_ms, comm_ms),
                     "collectives": len(collectives),
-                    "bytes_per_worker": peer_bytes(name, shapes, world_size),
+                    "bytes_per_worker": sent,
                 })  # fmt: skip
     return rows
 

@@ -55,27 +55,12 @@ OWNED = (
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from microsparse.training.tasks import available_tasks
-
     given = [arg.split("=")[0] for arg in args.train_args if arg.startswith("--")]
     clash = sorted({o for arg in given for o in OWNED if len(arg) > 3 and o.startswith(arg)})
     if clash:
         parser.error(f"{', '.join(clash)} after --: set by bench accuracy itself (use its own "
                      "options)")  # fmt: skip
-    if args.task not in available_tasks():
-        parser.error(f"argument --task: must be one of {', '.join(available_tasks())}")
-    if not 0 < args.target_fraction <= 1:
-        parser.error("argument --target-fraction: must be in (0, 1]")
-    if "dense" not in args.methods:
-        parser.error("argument --methods: must include dense (the target is a fraction of its "
-                     "final metric)")  # fmt: skip
-    if "none" in args.methods:
-        parser.error("argument --methods: 'none' trains no model together; leave it out")
-    problem = refusal(command="accuracy")
-    if problem:
-        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
-        return 2
-    try:
+    try:  # checked before anything is built, and before the refusal of non-root
         config = accuracy.AccuracyConfig(
             task=args.task, hosts=args.hosts, rates=args.rates, methods=args.methods,
             density=args.density, seed=args.seed, target_fraction=args.target_fraction,
@@ -83,7 +68,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             out=args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}",
         )  # fmt: skip
     except ValueError as error:
-        parser.error(str(error))
+        field, _, problem = str(error).partition(": ")
+        parser.error(f"argument --{field.replace('_', '-')}: {problem}")
+    problem = refusal(command="accuracy")
+    if problem:
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr)
+        return 2
     command = " ".join(["microsparse", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
     try:
         accuracy.run_accuracy(config, log=lambda line: print(line, flush=True), command=command)
