@@ -65,8 +65,13 @@ def micro_reference(
     rule: str,
     partitioning: str = "contiguous",
     capacity_factor: float | None = None,
+    momentum: float = 0.0,
+    nesterov: bool = False,
 ) -> list[dict]:
     """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step.
+
+    With ``momentum`` m > 0 (momentum correction): rank r keeps u ← m·u + g, accumulates u
+    (Nesterov: g + m·u) instead of g, and zeroes u wherever a value was sent.
 
     ``rule="quota"``: at step t the owner of partition p sends its share of the largest |a|
     there (all of it if smaller): share j = (p + t) mod n gets floor((j+1)·k/n) − floor(j·k/n),
@@ -81,9 +86,17 @@ def micro_reference(
     threshold = 1.0 / (2.0 * math.sqrt(target))
     owned = reference_owned(numel, n, partitioning)
     residuals = [np.zeros(numel) for _ in range(n)]
+    velocities = [np.zeros(numel) for _ in range(n)]
     steps = []
     for t, step_gradients in enumerate(gradients):
-        accumulated = [residuals[r] + step_gradients[r] for r in range(n)]
+        increments = step_gradients
+        if momentum:
+            velocities = [momentum * velocities[r] + step_gradients[r] for r in range(n)]
+            increments = [
+                step_gradients[r] + momentum * velocities[r] if nesterov else velocities[r]
+                for r in range(n)
+            ]
+        accumulated = [residuals[r] + increments[r] for r in range(n)]
         if rule == "quantile":
             mine = [np.abs(accumulated[r][owned[(t + r) % n]]) for r in range(n)]
             threshold = reference_quantile(mine, threshold, target)
@@ -116,12 +129,16 @@ def micro_reference(
             residual = accumulated[r].copy()
             residual[union] = 0.0
             residuals.append(residual)
+            velocities[r] = velocities[r].copy()
+            velocities[r][union] = 0.0
         steps.append(
             {
                 "threshold": threshold,
                 "picks": picks,
                 "selected": len(union),
                 "accumulated": accumulated,
+                "increments": increments,
+                "velocities": velocities,
                 "aggregated": aggregated,
                 "residuals": residuals,
             }

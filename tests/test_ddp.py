@@ -76,6 +76,8 @@ CROSS_CHECK = [
     ("micro", {"selection": "threshold"}),
     ("micro", {"threshold_rule": "as_coded", "partitioning": "contiguous",
                "index_message": "padded"}),
+    ("micro", {"momentum_correction": 0.9}),
+    ("micro", {"momentum_correction": 0.9, "momentum_nesterov": True}),
     ("topk", {}),
     ("hard_threshold", {}),
     ("sage", {"seed": 3}),
@@ -102,6 +104,7 @@ def cross_check_worker(rank: int, n: int, steps: int) -> list[bool]:
                 "world_size": n,
                 "slabs": {
                     "residuals": [torch.zeros(p.numel(), dtype=p.dtype) for p in params],
+                    "velocities": [torch.zeros(p.numel(), dtype=p.dtype) for p in params],
                     "slabs": [list(range(count - 1, -1, -1))],
                     "states": [{}],
                 },
@@ -119,9 +122,11 @@ def cross_check_worker(rank: int, n: int, steps: int) -> list[bool]:
             reducer.synchronize()
             for a, b in zip(hooked.parameters(), plain.parameters()):
                 equal &= torch.equal(a.grad, b.grad)
-                equal &= torch.equal(
-                    state.residual(a), reducer.residual[_offset(reducer, b) : _end(reducer, b)]
-                )
+                where = slice(_offset(reducer, b), _end(reducer, b))
+                equal &= torch.equal(state.residual(a), reducer.residual[where])
+                velocity = state.velocity(a)
+                equal &= (velocity is None) == (reducer.velocity is None)
+                equal &= velocity is None or torch.equal(velocity, reducer.velocity[where])
             equal &= state.last_step.selected == reducer.last_step.selected
         results.append(equal)
     return results
@@ -170,10 +175,12 @@ def probe_gradient(step: int, rank: int) -> torch.Tensor:
     return torch.randn(6000, generator=generator, dtype=torch.float64) * scales
 
 
-def rebuild_worker(rank: int, n: int, name: str, static: bool, steps: int) -> dict:
+def rebuild_worker(
+    rank: int, n: int, name: str, static: bool, steps: int, momentum: float
+) -> dict:
     model = Probe().double()
     ddp = DDP(model, bucket_cap_mb=0.02, static_graph=static)
-    state = mddp.SparseState(name, 0.01)
+    state = mddp.SparseState(name, 0.01, momentum_correction=momentum)
     layouts: list[list[tuple[int, ...]]] = []
 
     def logging_hook(state, bucket):  # unannotated: DDP checks annotations as objects
@@ -190,6 +197,9 @@ def rebuild_worker(rank: int, n: int, name: str, static: bool, steps: int) -> di
             {
                 "grad": torch.cat([p.grad.flatten() for p in model.parameters()]).clone(),
                 "residual": torch.cat([state.residual(p) for p in model.parameters()]).clone(),
+                "velocity": torch.cat([state.velocity(p) for p in model.parameters()]).clone()
+                if momentum
+                else None,
                 "selected": state.last_step.selected,
                 "target": state.last_step.target,
             }
@@ -197,27 +207,39 @@ def rebuild_worker(rank: int, n: int, name: str, static: bool, steps: int) -> di
     return {"records": records, "layouts": layouts}
 
 
-@pytest.mark.parametrize(("name", "static"), [("micro", False), ("micro", True), ("topk", False)])
-def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(name, static, tmp_path):
+@pytest.mark.parametrize(
+    ("name", "static", "momentum"),
+    [("micro", False, 0.0), ("micro", True, 0.0), ("topk", False, 0.0), ("micro", False, 0.9)],
+)
+def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(
+    name, static, momentum, tmp_path
+):
     n, steps = 2, 6
-    ranks = run_ranks(rebuild_worker, n, tmp_path, name, static, steps)
+    ranks = run_ranks(rebuild_worker, n, tmp_path, name, static, steps, momentum)
     layouts = ranks[0]["layouts"]
     assert layouts[-1] != layouts[0] and len(layouts[-1]) > 1  # DDP rebuilt, several slabs
     previous = [torch.zeros(6000, dtype=torch.float64) for _ in range(n)]
+    velocity = [torch.zeros(6000, dtype=torch.float64) for _ in range(n)]
     for step in range(steps):
         got = [rank["records"][step] for rank in ranks]
         for r in range(n):
             assert torch.equal(got[r]["grad"], got[0]["grad"]), step
         if name == "micro":  # k = ⌊0.01 · 6000⌋ = 60, from the first pass on
             assert got[0]["selected"] == got[0]["target"] == 60, step
+        # Momentum correction: u ← m·u + g is what the residual accumulates; the velocities,
+        # like the residuals, follow their parameters into the rebuilt slabs.
+        velocity = [momentum * velocity[r] + probe_gradient(step, r) for r in range(n)]
         # Conservation of error feedback: Σ_r a_r = n · average + Σ_r e_r, through the rebuild.
-        accumulated = sum(previous[r] + probe_gradient(step, r) for r in range(n))
+        accumulated = sum(previous[r] + velocity[r] for r in range(n))
         kept = sum(got[r]["residual"] for r in range(n))
         torch.testing.assert_close(accumulated, n * got[0]["grad"] + kept, rtol=1e-12, atol=1e-12)
         sent = got[0]["grad"] != 0
         assert int(sent.sum()) == got[0]["selected"], step
         for r in range(n):
             assert torch.all(got[r]["residual"][sent] == 0), step
+            if momentum:  # factor masking: the velocity restarts where a value was sent
+                velocity[r][sent] = 0
+                torch.testing.assert_close(got[r]["velocity"], velocity[r], rtol=0, atol=0)
         previous = [got[r]["residual"] for r in range(n)]
 
 
@@ -250,7 +272,9 @@ def resume_worker(rank: int, n: int, steps: int, stop_at: int, options: dict) ->
     return [torch.equal(a, b) for a, b in zip(uninterrupted, model.parameters())]
 
 
-@pytest.mark.parametrize("options", [{}, {"threshold_rule": "symmetric"}])
+@pytest.mark.parametrize(
+    "options", [{}, {"threshold_rule": "symmetric"}, {"momentum_correction": 0.9}]
+)
 def test_resumed_training_equals_uninterrupted(options, tmp_path) -> None:
     for equal in run_ranks(resume_worker, 2, tmp_path, 10, 5, options):
         assert all(equal)

@@ -59,6 +59,13 @@ class GradientReducer:
         transactional: a failed step (see below) leaves no trace: the residual, the sparsifier
             and the step counter stay exactly as before the call. Costs one more write and one
             more read pass over d per step.
+        momentum_correction: momentum m of Deep Gradient Compression's momentum correction:
+            every worker keeps a velocity u ← m·u + g, the residual accumulates u, and u is
+            zeroed where values were sent (momentum factor masking). The average then
+            carries the momentum: step the optimiser *without* momentum. 0 (default): the
+            residual accumulates g and the optimiser's momentum acts on the sparse average,
+            which trained better in this project's study (docs/EXPERIMENTS.md).
+        momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients are synchronised
             (fp16 mixed precision; implies ``transactional``): an overflow skips the step on
             every rank without raising, and the residual, kept in scaled units, is rescaled
@@ -109,6 +116,8 @@ class GradientReducer:
         collectives: Collectives | None = None,
         transactional: bool = False,
         grad_scaler: Any = None,
+        momentum_correction: float = 0.0,
+        momentum_nesterov: bool = False,
         **options: Any,
     ) -> None:
         if value_dtype not in (None, torch.float16, torch.bfloat16):
@@ -128,7 +137,9 @@ class GradientReducer:
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
         self.transactional = bool(transactional) or grad_scaler is not None
-        self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional)
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional,
+                                       momentum_correction, momentum_nesterov)  # fmt: skip
+        self.momentum_correction = self._feedback.momentum
         self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype)
         self._output = GradientOutput(self._params, self.layout)
         self._scaling = ResidualScale(grad_scaler)
@@ -155,10 +166,15 @@ class GradientReducer:
         """This worker's error-feedback residual e as one flat vector (do not modify)."""
         return self._feedback.residual
 
+    @property
+    def velocity(self) -> torch.Tensor | None:
+        """This worker's velocity u with ``momentum_correction`` (do not modify), else None."""
+        return self._feedback.velocity
+
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         began = time.perf_counter()
-        self._scaling.follow(self._feedback.residual)
+        self._scaling.follow(*(buffer.data for buffer in self._feedback.buffers))
         fresh = [p.grad for p in self._params]
         try:
             report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
@@ -180,11 +196,14 @@ class GradientReducer:
 
     def _fingerprint(self) -> str:
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
-        return (
+        fingerprint = (
             f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
             f"{sorted(self.sparsifier.options().items())}|{self._feedback.residual.dtype}|"
             f"{self.value_dtype}|{self.transactional}"
         )
+        if self.momentum_correction:  # absent otherwise: older states still load
+            fingerprint += f"|momentum {self.momentum_correction} {self._feedback.nesterov}"
+        return fingerprint
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: step, residual, sparsifier state.
@@ -192,11 +211,13 @@ class GradientReducer:
         Example:
             >>> torch.save(reducer.state_dict(), f"reducer-rank{rank}.pt")  # doctest: +SKIP
         """
+        velocity = self._feedback.velocity
         return {
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
             "residual": self._feedback.residual.clone(),
+            "velocity": None if velocity is None else velocity.clone(),
             "sparsifier": self.sparsifier.state_dict(),
             "fingerprint": self._fingerprint(),
             "scale": self._scaling.scale,
@@ -217,6 +238,8 @@ class GradientReducer:
                 f"options ({state.get('fingerprint')!r} vs {self._fingerprint()!r})"
             )
         self._feedback.residual.copy_(state["residual"])
+        if self._feedback.velocity is not None:
+            self._feedback.velocity.copy_(state["velocity"])
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
         self._scaling.scale = state.get("scale")

@@ -121,6 +121,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--partitioning contiguous --index-message padded",
     )
     add(
+        "--momentum-correction",
+        action="store_true",
+        default=None,
+        help="accumulate the recipe's momentum in the error feedback (Deep Gradient "
+        "Compression) instead of applying it in the optimiser to the sparse average",
+    )
+    add(
         "--integration",
         choices=("loop", "ddp"),
         help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "

@@ -156,7 +156,7 @@ def _slab_done(record: PassRecord, key: object) -> None:
 
 
 def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
-    state.scaling.follow(*(slab.feedback.residual for slab in binding.slabs.slabs))
+    state.scaling.follow(*(b.data for slab in binding.slabs.slabs for b in slab.feedback.buffers))
     record = PassRecord(state.step)
     binding.current = record
     for launcher in binding.launchers:

@@ -56,6 +56,7 @@ class Slab:
         world_size: int,
         value_dtype: torch.dtype | None,
         transactional: bool = False,
+        momentum: tuple[float, bool] = (0.0, False),
     ) -> None:
         self.params = tuple(params)
         self.indices = tuple(indices)
@@ -66,7 +67,8 @@ class Slab:
         dtype = torch.promote_types(torch.float32, params[0].dtype)
         for p in params:
             dtype = torch.promote_types(dtype, p.dtype)
-        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional)
+        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional,
+                                      *momentum)  # fmt: skip
         self.engine = SparseStep(sparsifier, self.feedback, value_dtype)
         self._output: SparseOutput | None = None
 
@@ -156,9 +158,12 @@ class Slabs:
         world_size: int,
         value_dtype: torch.dtype | None,
         transactional: bool = False,
+        momentum: tuple[float, bool] = (0.0, False),
     ) -> None:
         self._make = make_sparsifier
         self.transactional = transactional
+        self.momentum = momentum
+        """Momentum correction (m, Nesterov): each parameter then carries a velocity too."""
         self.rank = rank
         self.world_size = world_size
         self.value_dtype = value_dtype
@@ -167,13 +172,13 @@ class Slabs:
         self._index: dict[int, int] = {}
         self._slab_of: dict[int, Slab] = {}
         self._place: dict[int, tuple[Slab, int]] = {}  # parameter -> (its slab, its index)
-        self._loaded: dict[int, torch.Tensor] = {}  # restored residuals not yet in a slab
-        """Every parameter's residual (by ``id``): a view into its slab's."""
+        self._loaded: dict[int, list[torch.Tensor]] = {}  # restored, not yet in a slab
+        """Every parameter's memory (by ``id``): residual, and velocity with momentum."""
         self._used_in: dict[int, int] = {}
         self._met_in: dict[int, int] = {}
         self._pass = 0
         self._restored: _Saved | None = None
-        self._saved_residuals: list[torch.Tensor] | None = None
+        self._saved_memory: list[list[torch.Tensor]] | None = None
         self._begin_pass()
 
     # ---- one pass ---------------------------------------------------------------------
@@ -240,15 +245,15 @@ class Slabs:
         self._index[id(param)] = index
         self._met_in[id(param)] = self._pass
         self.order.append(param)
-        saved = self._saved_residuals
+        saved = self._saved_memory
         if saved is not None:
-            if index >= len(saved) or saved[index].numel() != param.numel():
+            if index >= len(saved) or saved[index][0].numel() != param.numel():
                 raise ValueError(
                     "load_state_dict: the checkpoint's residuals do not match this model's "
                     f"parameters (parameter {index} has {param.numel()} elements); restore into "
                     "the same model definition, before its first backward pass"
                 )
-            self._loaded[id(param)] = saved[index].reshape(-1)
+            self._loaded[id(param)] = [buffer.reshape(-1) for buffer in saved[index]]
         # Marks the pass in which autograd gave the parameter a gradient on this rank; it runs
         # before DDP's own hook for it. Unused parameters (find_unused_parameters=True) are then
         # not proposed: DDP drops their average, which would lose what their residual sent.
@@ -266,11 +271,12 @@ class Slabs:
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
         slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype, self.transactional)  # fmt: skip
-        for index, (p, view) in enumerate(zip(params, slab.feedback.views)):
-            previous = self.residual(p)
+                    self.value_dtype, self.transactional, self.momentum)  # fmt: skip
+        for index, p in enumerate(params):
+            previous = self.memory(p)
             if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along
-                view.view(-1).copy_(previous)
+                for buffer, old in zip(slab.feedback.buffers, previous):
+                    buffer.views[index].view(-1).copy_(old)
             self._loaded.pop(id(p), None)
             self._place[id(p)] = (slab, index)
             self._slab_of[id(p)] = slab
@@ -295,11 +301,17 @@ class Slabs:
 
     def residual(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s residual (flat; a view into its slab's), None before it is met."""
+        memory = self.memory(param)
+        return None if memory is None else memory[0]
+
+    def memory(self, param: torch.Tensor) -> list[torch.Tensor] | None:
+        """``param``'s residual, then its velocity with momentum correction (flat views into
+        its slab's), None before it is met."""
         place = self._place.get(id(param))
         if place is None:
             return self._loaded.get(id(param))
         slab, index = place
-        return slab.feedback.views[index].view(-1)
+        return [buffer.views[index].view(-1) for buffer in slab.feedback.buffers]
 
     @property
     def slabs(self) -> list[Slab]:
@@ -311,11 +323,15 @@ class Slabs:
 
     def state(self) -> dict[str, object]:
         slabs = self.slabs
-        return {
-            "residuals": [self.residual(p).detach().clone() for p in self.order],
+        memory = [[buffer.detach().clone() for buffer in self.memory(p)] for p in self.order]
+        state: dict[str, object] = {
+            "residuals": [buffers[0] for buffers in memory],
             "slabs": [list(slab.indices) for slab in slabs],
             "states": [slab.sparsifier.state_dict() for slab in slabs],
         }
+        if self.momentum[0]:
+            state["velocities"] = [buffers[1] for buffers in memory]
+        return state
 
     def restore(self, state: dict[str, object]) -> None:
         """Take a :meth:`state`; the parameters are matched in the order they are met."""
@@ -325,7 +341,11 @@ class Slabs:
         slab_of = {index: number for number, slab in enumerate(definitions) for index in slab}
         saved = _Saved(list(state["residuals"]), definitions,  # type: ignore[call-overload]
                        list(state["states"]), slab_of, set())  # type: ignore[call-overload]  # fmt: skip
-        self._saved_residuals = saved.residuals
+        velocities = state.get("velocities") if self.momentum[0] else None
+        self._saved_memory = [
+            [residual] if velocities is None else [residual, velocities[i]]  # type: ignore[index]
+            for i, residual in enumerate(saved.residuals)
+        ]
         self._restored = saved if saved.slabs else None
 
     def check_complete(self) -> None:

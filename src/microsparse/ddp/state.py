@@ -15,7 +15,7 @@ from microsparse.comm.framing import Dense, Padded
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
-from microsparse.feedback import ResidualScale
+from microsparse.feedback import ResidualScale, check_momentum
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
@@ -47,6 +47,10 @@ class SparseState:
             scaled units, are rescaled whenever it changes its scale.
         timeout: seconds the hook's own collectives may wait for a peer (``None``: torch's
             default for new process groups; it does not inherit the default group's).
+        momentum_correction: momentum m of Deep Gradient Compression's momentum correction,
+            as in :class:`microsparse.GradientReducer`: every worker's velocity moves into
+            the error feedback, so step the optimiser *without* momentum. 0 (default): off.
+        momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     The state can be built before ``init_process_group``, pickled and deep-copied: it binds
@@ -68,6 +72,8 @@ class SparseState:
         timeout: float | None = None,
         transactional: bool = False,
         grad_scaler: Any = None,
+        momentum_correction: float = 0.0,
+        momentum_nesterov: bool = False,
         **options: Any,
     ) -> None:
         if value_dtype not in VALUE_DTYPES:
@@ -82,7 +88,14 @@ class SparseState:
         self.transactional = bool(transactional) or grad_scaler is not None
         self.scaling = ResidualScale(grad_scaler)
         self.process_group = process_group
+        self.momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
         create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
+        if self.momentum[0] and self.averages_densely:
+            raise ValueError(
+                "momentum_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
+                "momentum"
+            )
         self.step = 0
         """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None
@@ -120,7 +133,7 @@ class SparseState:
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.transactional)  # fmt: skip
+                      self.transactional, self.momentum)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -137,6 +150,14 @@ class SparseState:
             raise KeyError("the hook has not met this parameter yet (no backward pass so far)")
         return residual
 
+    def velocity(self, param: torch.Tensor) -> torch.Tensor | None:
+        """This rank's velocity of ``param`` with momentum correction (flat; do not modify),
+        else None."""
+        self.residual(param)  # raises if not met yet
+        assert self._binding is not None
+        memory = self._binding.slabs.memory(param)
+        return memory[1] if memory is not None and len(memory) > 1 else None
+
     @property
     def rank(self) -> int | None:
         return None if self._binding is None else self._binding.rank
@@ -148,13 +169,16 @@ class SparseState:
     # ---- checkpointing -------------------------------------------------------------------
 
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             "sparsifier": self.sparsifier,
             "density": self.density,
             "options": sorted(self.options.items()),
             "value_dtype": str(self.value_dtype),
             "transactional": self.transactional,
         }
+        if self.momentum[0]:  # absent otherwise: older states still load
+            config["momentum_correction"] = list(self.momentum)
+        return config
 
     def state_dict(self) -> dict[str, Any]:
         """Step, every parameter's residual, the slabs and their sparsifiers' states (this
@@ -218,6 +242,7 @@ class SparseState:
             "value_dtype": self.value_dtype,
             "timeout": self.timeout,
             "transactional": self.transactional,
+            "momentum": self.momentum,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -226,6 +251,8 @@ class SparseState:
         # Process groups do not pickle: the copy binds to the default group on first use.
         SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
                              timeout=saved.get("timeout"), transactional=saved["transactional"],
+                             momentum_correction=saved.get("momentum", (0.0, False))[0],
+                             momentum_nesterov=saved.get("momentum", (0.0, False))[1],
                              **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
@@ -248,11 +275,14 @@ class MicroState(SparseState):
         timeout: float | None = None,
         transactional: bool = False,
         grad_scaler: Any = None,
+        momentum_correction: float = 0.0,
+        momentum_nesterov: bool = False,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
                          timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
-                         **options)  # fmt: skip
+                         momentum_correction=momentum_correction,
+                         momentum_nesterov=momentum_nesterov, **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)

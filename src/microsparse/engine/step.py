@@ -113,6 +113,12 @@ class SparseStep:
     ) -> None:
         self.sparsifier = sparsifier
         self.framing = sparsifier.framing()
+        if isinstance(self.framing, Dense) and feedback.momentum:
+            raise ValueError(
+                "momentum_correction needs error feedback, but this sparsifier averages densely "
+                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
+                "momentum"
+            )
         self.feedback = feedback
         self.value_dtype = value_dtype
         self.rank = sparsifier.rank
@@ -222,7 +228,7 @@ class SparseStep:
             return values
         wire = values.to(self.value_dtype)
         # What rounding took from this rank's values stays behind in its residual.
-        accumulated.index_copy_(0, positions, values.sub_(wire))
+        self.feedback.forget(positions, values.sub_(wire))
         return wire
 
     def _dense(self, step: int, fresh: Fresh, output: Output) -> Protocol_:

@@ -5,6 +5,7 @@ from microsparse.feedback.residual import (
     Fresh,
     ResidualScale,
     any_nonfinite,
+    check_momentum,
 )
 
-__all__ = ["ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite"]
+__all__ = ["ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite", "check_momentum"]

@@ -45,6 +45,7 @@ class TrainConfig:
     selection: str | None = None  # MiCRO's "quota" or "threshold"; None: its own default
     partitioning: str | None = None  # MiCRO's "interleaved" or "contiguous"; None: its own
     index_message: str | None = None  # MiCRO's "fixed" or "padded"; None: its own default
+    momentum_correction: bool = False  # the recipe's momentum moves into the error feedback
     # The recipe (None: the task's).
     epochs: int | None = None
     batch_size: int | None = None  # per worker
@@ -155,6 +156,18 @@ class TrainConfig:
             "betas",
             "must be two numbers in [0, 1)",
         )
+        if self.momentum_correction:
+            _require(
+                self.optimizer == "sgd" and bool(self.momentum),
+                "momentum_correction",
+                "moves SGD's momentum into the error feedback: it needs optimizer sgd with "
+                "momentum > 0",
+            )
+            _require(
+                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
+                "momentum_correction",
+                "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
+            )
         _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
         _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")
 

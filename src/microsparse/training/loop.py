@@ -159,6 +159,8 @@ class Averaging:
         self._state: SparseState | None = None
         self._peer: PeerAveraging | None = None
         options = config.sparsifier_options()
+        if config.momentum_correction:  # the optimiser then runs without momentum
+            options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
         if config.ddp_hook != "microsparse":
             self._peer = PeerAveraging(model, config.ddp_hook)
             self.model = self._peer.model

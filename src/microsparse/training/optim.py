@@ -35,11 +35,13 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         return torch.optim.Adam(
             groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
+    # With momentum correction the averaged update already carries the momentum.
+    momentum = 0.0 if config.momentum_correction else config.momentum
     return torch.optim.SGD(
         groups,
         lr=config.lr,
-        momentum=config.momentum,
-        nesterov=bool(config.nesterov and config.momentum),
+        momentum=momentum,
+        nesterov=bool(config.nesterov and momentum),
         weight_decay=config.weight_decay,
     )
 
