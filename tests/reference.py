@@ -67,11 +67,14 @@ def micro_reference(
     capacity_factor: float | None = None,
     momentum: float = 0.0,
     nesterov: bool = False,
+    targets: list[int] | None = None,
 ) -> list[dict]:
     """``gradients[t][r]`` is rank r's flat gradient at step t. Returns one dict per step.
 
     With ``momentum`` m > 0 (momentum correction): rank r keeps u ← m·u + g, accumulates u
     (Nesterov: g + m·u) instead of g, and zeroes u wherever a value was sent.
+
+    ``targets[t]`` (a density warm-up) is k of step t instead of floor(density · d).
 
     ``rule="quota"``: at step t the owner of partition p sends its share of the largest |a|
     there (all of it if smaller): share j = (p + t) mod n gets floor((j+1)·k/n) − floor(j·k/n),
@@ -88,7 +91,9 @@ def micro_reference(
     residuals = [np.zeros(numel) for _ in range(n)]
     velocities = [np.zeros(numel) for _ in range(n)]
     steps = []
+    final_target = target
     for t, step_gradients in enumerate(gradients):
+        target = final_target if targets is None else targets[t]
         increments = step_gradients
         if momentum:
             velocities = [momentum * velocities[r] + step_gradients[r] for r in range(n)]

@@ -48,7 +48,8 @@ class SparseDDPStrategy(DDPStrategy):
         value_dtype, timeout, transactional: as for :class:`microsparse.ddp.SparseState`.
         ddp_kwargs: keyword arguments of Lightning's ``DDPStrategy`` (e.g.
             ``{"find_unused_parameters": True}``).
-        **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
+        **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
+            state's ``momentum_correction``, ``momentum_nesterov`` and ``density_warmup``.
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
     """

@@ -23,6 +23,7 @@ from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, ResidualScale
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
+from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import StepStats
 
 ParameterSource = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -66,6 +67,10 @@ class GradientReducer:
             residual accumulates g and the optimiser's momentum acts on the sparse average,
             which trained better in this project's study (docs/EXPERIMENTS.md).
         momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
+        density_warmup: ``(start, steps)``: send at density start · (density / start) **
+            (t / steps) at step t < steps, then at ``density`` (Deep Gradient Compression's
+            warm-up). The extra entries are real traffic; ``DensityWarmup.mean_density`` says
+            what a schedule costs over a run.
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients are synchronised
             (fp16 mixed precision; implies ``transactional``): an overflow skips the step on
             every rank without raising, and the residual, kept in scaled units, is rescaled
@@ -118,6 +123,7 @@ class GradientReducer:
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
+        density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
         if value_dtype not in (None, torch.float16, torch.bfloat16):
@@ -140,7 +146,16 @@ class GradientReducer:
         self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional,
                                        momentum_correction, momentum_nesterov)  # fmt: skip
         self.momentum_correction = self._feedback.momentum
-        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype)
+        self.density_warmup = warmup = DensityWarmup.of(density_warmup)
+        schedule = None
+        if warmup is not None:
+            warmup.check(self.sparsifier.density)
+            final, numel = self.sparsifier.target, self.layout.numel
+
+            def schedule(step: int) -> int:
+                return warmup.target(step, self.sparsifier.density, final, numel)
+
+        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype, schedule)
         self._output = GradientOutput(self._params, self.layout)
         self._scaling = ResidualScale(grad_scaler)
         self.step = 0
@@ -203,6 +218,8 @@ class GradientReducer:
         )
         if self.momentum_correction:  # absent otherwise: older states still load
             fingerprint += f"|momentum {self.momentum_correction} {self._feedback.nesterov}"
+        if self.density_warmup is not None:
+            fingerprint += f"|warm-up {self.density_warmup.start!r} {self.density_warmup.steps}"
         return fingerprint
 
     def state_dict(self) -> dict[str, Any]:

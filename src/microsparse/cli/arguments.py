@@ -54,3 +54,11 @@ def momentum(text: str) -> float:
     if not 0 <= value < 1:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
     return value
+
+
+def density_warmup(text: str) -> tuple[float, float]:
+    """``START,EPOCHS``: a start density and the epochs it takes to decay to --density."""
+    start, comma, epochs = text.partition(",")
+    if not comma:
+        raise argparse.ArgumentTypeError(f"expected START,EPOCHS (e.g. 0.01,0.5), got {text!r}")
+    return density(start), positive_float(epochs)

@@ -128,6 +128,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "Compression) instead of applying it in the optimiser to the sparse average",
     )
     add(
+        "--density-warmup",
+        type=arguments.density_warmup,
+        metavar="START,EPOCHS",
+        help="start at density START and decay exponentially to --density over EPOCHS "
+        "epochs (the extra traffic counts in the run's mean density)",
+    )
+    add(
         "--integration",
         choices=("loop", "ddp"),
         help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "

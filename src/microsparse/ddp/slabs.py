@@ -29,6 +29,7 @@ from microsparse.engine import FlatOutput, SparseOutput, SparseStep
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier
+from microsparse.sparsifiers.warmup import DensityWarmup
 
 
 def slab_target(density: float, offset: int, numel: int) -> int:
@@ -41,6 +42,21 @@ def slab_target(density: float, offset: int, numel: int) -> int:
         30
     """
     return max(1, math.floor(density * (offset + numel)) - math.floor(density * offset))
+
+
+def _slab_schedule(
+    warmup: DensityWarmup | None, density: float, offset: int, target: int, numel: int
+) -> Callable[[int], int] | None:
+    """k of each step of a slab under a density warm-up: the slabs' ks add up to the model's."""
+    if warmup is None:
+        return None
+
+    def schedule(step: int) -> int:
+        if step >= warmup.steps:
+            return target
+        return max(target, slab_target(warmup.density(step, density), offset, numel))
+
+    return schedule
 
 
 class Slab:
@@ -57,6 +73,7 @@ class Slab:
         value_dtype: torch.dtype | None,
         transactional: bool = False,
         momentum: tuple[float, bool] = (0.0, False),
+        warmup: DensityWarmup | None = None,
     ) -> None:
         self.params = tuple(params)
         self.indices = tuple(indices)
@@ -69,7 +86,9 @@ class Slab:
             dtype = torch.promote_types(dtype, p.dtype)
         self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional,
                                       *momentum)  # fmt: skip
-        self.engine = SparseStep(sparsifier, self.feedback, value_dtype)
+        self.engine = SparseStep(sparsifier, self.feedback, value_dtype,
+                                 _slab_schedule(warmup, sparsifier.density, offset, target,
+                                                self.layout.numel))  # fmt: skip
         self._output: SparseOutput | None = None
 
     def output_for(self, buffer: torch.Tensor) -> FlatOutput | SparseOutput:
@@ -159,8 +178,10 @@ class Slabs:
         value_dtype: torch.dtype | None,
         transactional: bool = False,
         momentum: tuple[float, bool] = (0.0, False),
+        warmup: DensityWarmup | None = None,
     ) -> None:
         self._make = make_sparsifier
+        self.warmup = warmup
         self.transactional = transactional
         self.momentum = momentum
         """Momentum correction (m, Nesterov): each parameter then carries a velocity too."""
@@ -271,7 +292,7 @@ class Slabs:
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
         slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype, self.transactional, self.momentum)  # fmt: skip
+                    self.value_dtype, self.transactional, self.momentum, self.warmup)  # fmt: skip
         for index, p in enumerate(params):
             previous = self.memory(p)
             if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along

@@ -19,6 +19,7 @@ from microsparse.feedback import ResidualScale, check_momentum
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
+from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import StepStats
 
 VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -51,6 +52,8 @@ class SparseState:
             as in :class:`microsparse.GradientReducer`: every worker's velocity moves into
             the error feedback, so step the optimiser *without* momentum. 0 (default): off.
         momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
+        density_warmup: ``(start, steps)``: a density warm-up, as in
+            :class:`microsparse.GradientReducer` (the slabs' ks add up to the model's).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     The state can be built before ``init_process_group``, pickled and deep-copied: it binds
@@ -74,6 +77,7 @@ class SparseState:
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
+        density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
         if value_dtype not in VALUE_DTYPES:
@@ -96,6 +100,14 @@ class SparseState:
                 "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
                 "momentum"
             )
+        self.density_warmup = DensityWarmup.of(density_warmup)
+        if self.density_warmup is not None:
+            if self.averages_densely:
+                raise ValueError(
+                    "density_warmup needs a sparsifier that selects, but this state averages "
+                    "densely (dense, or density 1): leave density_warmup unset"
+                )
+            self.density_warmup.check(self.density)
         self.step = 0
         """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None
@@ -133,7 +145,7 @@ class SparseState:
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.transactional, self.momentum)  # fmt: skip
+                      self.transactional, self.momentum, self.density_warmup)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -178,6 +190,8 @@ class SparseState:
         }
         if self.momentum[0]:  # absent otherwise: older states still load
             config["momentum_correction"] = list(self.momentum)
+        if self.density_warmup is not None:
+            config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
         return config
 
     def state_dict(self) -> dict[str, Any]:
@@ -243,6 +257,7 @@ class SparseState:
             "timeout": self.timeout,
             "transactional": self.transactional,
             "momentum": self.momentum,
+            "density_warmup": self.density_warmup,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -253,6 +268,7 @@ class SparseState:
                              timeout=saved.get("timeout"), transactional=saved["transactional"],
                              momentum_correction=saved.get("momentum", (0.0, False))[0],
                              momentum_nesterov=saved.get("momentum", (0.0, False))[1],
+                             density_warmup=saved.get("density_warmup"),
                              **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
@@ -277,12 +293,14 @@ class MicroState(SparseState):
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
+        density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
                          timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
                          momentum_correction=momentum_correction,
-                         momentum_nesterov=momentum_nesterov, **options)  # fmt: skip
+                         momentum_nesterov=momentum_nesterov, density_warmup=density_warmup,
+                         **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,6 +103,7 @@ class SparseStep:
         feedback: the slab's residual.
         value_dtype: send the selected values as this dtype (``torch.float16`` or
             ``torch.bfloat16``); each rank's rounding error stays in its residual.
+        schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
     """
 
     def __init__(
@@ -110,9 +111,16 @@ class SparseStep:
         sparsifier: Sparsifier,
         feedback: ErrorFeedback,
         value_dtype: torch.dtype | None = None,
+        schedule: Callable[[int], int] | None = None,
     ) -> None:
         self.sparsifier = sparsifier
         self.framing = sparsifier.framing()
+        self.schedule = schedule
+        if isinstance(self.framing, Dense) and schedule is not None:
+            raise ValueError(
+                "density_warmup needs a sparsifier that selects, but this one averages densely "
+                "(dense, or density 1): leave density_warmup unset"
+            )
         if isinstance(self.framing, Dense) and feedback.momentum:
             raise ValueError(
                 "momentum_correction needs error feedback, but this sparsifier averages densely "
@@ -141,6 +149,8 @@ class SparseStep:
         self._snapshot = self.sparsifier.state_dict()
         if isinstance(self.framing, Dense):
             return (yield from self._dense(step, fresh, output))
+        if self.schedule is not None:
+            self._follow_schedule(step)
         clock = _Clock()
         sparsifier = self.sparsifier
         self.feedback.compensate(fresh)
@@ -188,6 +198,14 @@ class SparseStep:
             local_proposed=exchanged.local_proposed,
             message_bytes=clock.message_bytes(),
         )
+
+    def _follow_schedule(self, step: int) -> None:
+        """Move k to the schedule's for ``step`` (a function of the step alone, so that a
+        resumed or rolled-back run finds the same k); the index message follows."""
+        target = self.schedule(step)
+        if target != self.sparsifier.target:
+            self.sparsifier.retarget(target)
+            self.framing = self.sparsifier.framing()
 
     def commit(self) -> None:
         """The step that just ran is the new state (a transactional residual takes its a)."""

@@ -62,6 +62,19 @@ class Sparsifier(ABC):
         self.rank = rank
         self.world_size = world_size
         self.target = max(1, math.floor(self.density * layout.numel)) if target is None else target
+        self.final_target = self.target
+
+    def retarget(self, target: int) -> None:
+        """Send about ``target`` entries from this step on (a density warm-up moves k).
+
+        Subclasses whose state derives from k (a capacity, a threshold rule) update it here.
+        """
+        self.target = target
+
+    @property
+    def current_density(self) -> float:
+        """The density this step aims at: ``density``, or more during a warm-up."""
+        return self.density * self.target / self.final_target
 
     @abstractmethod
     def framing(self) -> Framing:

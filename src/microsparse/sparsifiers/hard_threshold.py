@@ -32,6 +32,10 @@ class HardThreshold(Sparsifier):
         super().bind(layout, rank, world_size, target)
         self._threshold = initial_threshold(self.target)
 
+    def retarget(self, target: int) -> None:
+        super().retarget(target)
+        self._threshold = initial_threshold(target)  # the rule's λ for this k
+
     def framing(self) -> Framing:
         return Padded(self.layout.numel, union=True)
 

@@ -131,21 +131,30 @@ class Micro(Sparsifier):
         self._partitions = PARTITIONINGS[self.partitioning](layout.numel, world_size)
         sizes = [self._partitions.size(p) for p in range(world_size)]
         self._largest = max(sizes)
-        if self.selection == "quota":  # room for the largest share, ⌈k/n⌉
-            self.capacity = min(math.ceil(self.target / world_size), self._largest)
+        if self.selection == "quota":
             self._rule: QuantileThreshold | ThresholdController | None = None
             self._finder = LargestFinder(max(1, min(sizes)), seed=rank)
         else:
-            self.capacity = math.ceil(self.capacity_factor * self.target / world_size) + 8
             self._rule = (
                 QuantileThreshold(self.target)
                 if self.threshold_rule == "quantile"
                 else ThresholdController(self.target, self.threshold_rule)
             )
+        self.retarget(self.target)
         self._candidates = Candidates()
         self._scratch: torch.Tensor | None = None
         self._magnitudes_of_step: int | None = None  # the step whose |a| the scratch holds
         self._threshold = math.nan
+
+    def retarget(self, target: int) -> None:
+        super().retarget(target)
+        n = self.world_size
+        if self.selection == "quota":  # room for the largest share, ⌈k/n⌉
+            self.capacity = min(math.ceil(target / n), self._largest)
+        else:
+            self.capacity = math.ceil(self.capacity_factor * target / n) + 8
+        if self._rule is not None:  # λ carries over; the rule now aims at the new k
+            self._rule.target = target
 
     def framing(self) -> Framing:
         if self.index_message == "fixed":

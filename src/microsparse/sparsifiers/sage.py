@@ -96,8 +96,9 @@ class Sage(Sparsifier):
         return magnitude.index_select(0, positions).mean(dtype=torch.float64)
 
     def _rescale(self, sample_mean: float, alpha: float, examined_density: float) -> None:
-        beta = 2.0 / (1.0 + math.exp(self.density - examined_density))
-        ratio = examined_density / self.density
+        density = self.current_density
+        beta = 2.0 / (1.0 + math.exp(density - examined_density))
+        ratio = examined_density / density
         gamma = 0.95 if ratio < 0.1 else 1.05 if ratio > 10.0 else 1.0
         self._threshold *= alpha * beta * gamma
         self._factors = {

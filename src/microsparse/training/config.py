@@ -46,6 +46,7 @@ class TrainConfig:
     partitioning: str | None = None  # MiCRO's "interleaved" or "contiguous"; None: its own
     index_message: str | None = None  # MiCRO's "fixed" or "padded"; None: its own default
     momentum_correction: bool = False  # the recipe's momentum moves into the error feedback
+    density_warmup: tuple[float, float] | None = None  # (start density, epochs)
     # The recipe (None: the task's).
     epochs: int | None = None
     batch_size: int | None = None  # per worker
@@ -167,6 +168,22 @@ class TrainConfig:
                 self.sparsifier != "dense" and self.ddp_hook == "microsparse",
                 "momentum_correction",
                 "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
+            )
+        if self.density_warmup is not None:
+            warmup = self.density_warmup
+            _require(
+                isinstance(warmup, (list, tuple))
+                and len(warmup) == 2
+                and _number(warmup[0], self.density, math.nextafter(1.0, 2.0), open_low=True)
+                and _number(warmup[1], 0, open_low=True),
+                "density_warmup",
+                f"must be START,EPOCHS with density ({self.density:g}) < START <= 1 and "
+                "EPOCHS > 0, e.g. 0.01,0.5",
+            )
+            _require(
+                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
+                "density_warmup",
+                "needs a sparsifier that selects (not dense, not a --ddp-hook peer)",
             )
         _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
         _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")

@@ -175,6 +175,8 @@ def summarize(
         "ratio_error_mean_after_warmup": fmean(errors[warmup:]),
         "after_warmup_steps": [warmup, steps - 1],
         "selected_over_target_mean": fmean(r["selected"] / r["target"] for r in records),
+        # K/d over the whole run, a density warm-up included.
+        "mean_density": fmean(r["selected"] / r["numel"] for r in records),
         "traffic_ratio": sent / dense if dense else None,  # None: one worker sends nothing
         "seconds": {"wall": wall_seconds, "steps": step_total, **totals},
         "seconds_per_step": {part: total / steps for part, total in totals.items()},
@@ -200,8 +202,8 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"  {shown}, final loss {summary['final_loss']:.4f}",
         f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
         f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
-        "  traffic vs dense all-reduce: "
-        + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
+        f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
+        "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
         "  per step: "
         + ", ".join(
             f"{part} {1000 * per_step[part]:.1f} ms"

@@ -56,13 +56,13 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     if config.resume:  # parameters first: DDP broadcasts rank 0's when it wraps the model
         shared, own = load_checkpoint(config.out, rank)
         load_model(model, shared, own)
-    averaging = Averaging(model, config)
+    steps_per_epoch = steps_in_epoch(task, data, config, world_size)
+    averaging = Averaging(model, config, steps_per_epoch)
     optimizer = build_optimizer(model, config)
     run = Resumable(model, optimizer, averaging, device)
     start, carried, seconds_before = Position(), None, 0.0
     if config.resume:
         start, carried, seconds_before = run.restore(shared, own)
-    steps_per_epoch = steps_in_epoch(task, data, config, world_size)
     total_steps = config.epochs * steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
@@ -153,7 +153,7 @@ class Averaging:
     what of it was not hidden, and the statistics come from the hook's state.
     """
 
-    def __init__(self, model: nn.Module, config: TrainConfig) -> None:
+    def __init__(self, model: nn.Module, config: TrainConfig, steps_per_epoch: int) -> None:
         self.model = model
         self._reducer: GradientReducer | None = None
         self._state: SparseState | None = None
@@ -161,6 +161,9 @@ class Averaging:
         options = config.sparsifier_options()
         if config.momentum_correction:  # the optimiser then runs without momentum
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
+        if config.density_warmup is not None:
+            start, epochs = config.density_warmup
+            options["density_warmup"] = (start, max(1, round(epochs * steps_per_epoch)))
         if config.ddp_hook != "microsparse":
             self._peer = PeerAveraging(model, config.ddp_hook)
             self.model = self._peer.model
