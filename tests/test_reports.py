@@ -217,3 +217,35 @@ def test_compare_runs_each_sparsifier_and_reports(tmp_path):
     assert json.loads((out / "compare.json").read_text())["runs"] == ["dense", "micro"]
     for name in PLOT_FILES:
         assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def write_seed(directory: Path, sparsifier: str, metric: str, values: list[float], seed: int):
+    write_run(directory, sparsifier, metric, values)
+    summary = json.loads((directory / "summary.json").read_text())
+    summary["config"]["seed"] = seed
+    (directory / "summary.json").write_text(json.dumps(summary))
+
+
+def test_seed_study_pairs_the_seeds_and_reports_gaps_in_points_or_per_cent(tmp_path, capsys):
+    study = tmp_path / "study"
+    write_seed(study / "dense" / "seed-1", "dense", "test_accuracy", [0.5, 0.9], 1)
+    write_seed(study / "dense" / "seed-2", "dense", "test_accuracy", [0.6, 0.8], 2)
+    write_seed(study / "micro" / "seed-2", "micro", "test_accuracy", [0.5, 0.8], 2)
+    write_seed(study / "micro" / "seed-1", "micro", "test_accuracy", [0.4, 0.85], 1)
+    assert main(["report", "--seeds", str(study), "--at", "1,2", "--window", "1,2"]) == 0
+    table = (study / "quality.md").read_text()
+    micro = next(line for line in table.splitlines() if line.startswith("| micro"))
+    cells = [cell.strip() for cell in micro.strip("|").split("|")]
+    assert cells[1] == "1,2"  # in seed order, whatever the directories' order
+    assert cells[3] == "0.45 (-10.0 pt; -10.0…-10.0)"
+    assert cells[4] == "0.825 (-2.5 pt; -5.0…+0.0)"  # paired by seed: −5 and 0 points
+    assert cells[5] == "0.6375 (-6.2 pt; -7.5…-5.0)"
+    assert (study / "quality.png").stat().st_size > 0
+
+    lm = tmp_path / "lm"
+    write_seed(lm / "dense" / "seed-1", "dense", "valid_perplexity", [200.0], 1)
+    write_seed(lm / "micro" / "seed-1", "micro", "valid_perplexity", [210.0], 1)
+    assert main(["report", "--seeds", str(lm), "--at", "1", "--no-plots"]) == 0
+    assert "210 (+5.0 %; +5.0…+5.0)" in (lm / "quality.md").read_text()
+    assert main(["report", "--seeds", str(tmp_path / "nothing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from microsparse.reports import (
     RunError,
     load_runs,
     results_table,
+    seeds,
     tensorboard,
     to_markdown,
     write_report,
@@ -45,6 +46,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add("--no-plots", action="store_true", help="only the table")
     add(
+        "--seeds",
+        action="store_true",
+        help="RUN_DIR is a study over seeds, STUDY/VARIANT/seed-S: write quality.md (each "
+        "variant's gap to dense, seed by seed) and quality.png (metric against epochs)",
+    )
+    add(
+        "--at",
+        type=_epochs,
+        default=(5, 10),
+        metavar="EPOCHS",
+        help="with --seeds: comma-separated epochs to compare at (default: 5,10)",
+    )
+    add(
+        "--window",
+        type=_epochs,
+        default=None,
+        metavar="FIRST,LAST",
+        help="with --seeds: also compare the mean over these epochs (e.g. 16,20)",
+    )
+    add(
         "--tensorboard",
         metavar="LOGDIR",
         default=None,
@@ -53,7 +74,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     report.set_defaults(run=_report, parser=report)
 
 
+def _epochs(text: str) -> tuple[int, ...]:
+    return tuple(arguments.positive_int(part) for part in text.split(","))
+
+
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.seeds:
+        return _report_seeds(args, parser)
     if args.out is None and len(args.run_dirs) > 1:
         return fail(parser, "argument --out: required when more than one RUN_DIR is given")
     if args.tensorboard and not tensorboard.tensorboard_available():
@@ -66,6 +93,27 @@ def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(f"wrote TensorBoard events; view: tensorboard --logdir {args.tensorboard}")
     except (RunError, ModuleNotFoundError) as error:
         return fail(parser, str(error))
+    return 0
+
+
+def _report_seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if len(args.run_dirs) != 1:
+        return fail(parser, "argument --seeds: give one study directory")
+    if args.window is not None and (len(args.window) != 2 or args.window[0] > args.window[1]):
+        return fail(parser, "argument --window: expected FIRST,LAST with FIRST <= LAST")
+    try:
+        variants = seeds.load_study(args.run_dirs[0])
+        table = seeds.gap_table(variants, args.at, args.window)
+        out = Path(args.out or args.run_dirs[0])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "quality.md").write_text(table + "\n", encoding="utf-8")
+        written = [out / "quality.md"]
+        if not args.no_plots:
+            written.append(seeds.plot_study(variants, out / "quality.png"))
+    except (RunError, ModuleNotFoundError) as error:
+        return fail(parser, str(error))
+    print(table)
+    print(f"wrote {', '.join(str(path) for path in written)}")
     return 0
 
 
