@@ -36,6 +36,16 @@ SCENARIOS = {
         warmup_epochs=1,
         integration="ddp",
     ),
+    # Momentum correction's velocities and a density warm-up interrupted while k still moves.
+    "cifar-loop-mc-warmup": dict(
+        task="cifar10",
+        model="smallcnn",
+        model_options={"width": 4, "hidden": 32},
+        batch_size=4,
+        epochs=2,
+        momentum_correction=True,
+        density_warmup=(0.2, 1.0),
+    ),
     # NeuMF: dropout, Adam's moments, negatives drawn per epoch.
     "recommendation-loop": dict(
         task="recommendation",
