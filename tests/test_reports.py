@@ -247,5 +247,9 @@ def test_seed_study_pairs_the_seeds_and_reports_gaps_in_points_or_per_cent(tmp_p
     write_seed(lm / "micro" / "seed-1", "micro", "valid_perplexity", [210.0], 1)
     assert main(["report", "--seeds", str(lm), "--at", "1", "--no-plots"]) == 0
     assert "210 (+5.0 %; +5.0…+5.0)" in (lm / "quality.md").read_text()
+    assert main(["report", "--seeds", str(study), "--variants", "micro", "--out",
+                 str(tmp_path / "only"), "--no-plots"]) == 0  # fmt: skip
+    assert main(["report", "--seeds", str(study), "--variants", "nope"]) == 2
+    assert "no runs of nope" in capsys.readouterr().err
     assert main(["report", "--seeds", str(tmp_path / "nothing")]) == 2
     assert "is not a directory" in capsys.readouterr().err

@@ -59,6 +59,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="with --seeds: comma-separated epochs to compare at (default: 5,10)",
     )
     add(
+        "--variants",
+        default=None,
+        metavar="NAMES",
+        help="with --seeds: only these comma-separated variants (dense is always kept)",
+    )
+    add(
         "--window",
         type=_epochs,
         default=None,
@@ -103,6 +109,12 @@ def _report_seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return fail(parser, "argument --window: expected FIRST,LAST with FIRST <= LAST")
     try:
         variants = seeds.load_study(args.run_dirs[0])
+        if args.variants is not None:
+            wanted = {"dense", *args.variants.split(",")}
+            unknown = wanted - {v.name for v in variants} - {"dense"}
+            if unknown:
+                return fail(parser, f"argument --variants: no runs of {', '.join(sorted(unknown))}")
+            variants = [v for v in variants if v.name in wanted]
         table = seeds.gap_table(variants, args.at, args.window)
         out = Path(args.out or args.run_dirs[0])
         out.mkdir(parents=True, exist_ok=True)

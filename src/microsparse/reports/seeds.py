@@ -57,6 +57,7 @@ class Variant:
 
     @property
     def target_density(self) -> float:
+        """δ, the density the variant's runs aimed at after any warm-up."""
         return self.runs[0].density
 
 
@@ -102,8 +103,9 @@ def gap_table(
     window: tuple[int, int] | None = None,
     reference: str = "dense",
 ) -> str:
-    """A Markdown table: each variant's mean metric and mean gap (range over seeds) at each
-    epoch of ``at`` and over the epochs of ``window``, and its mean density over the run."""
+    """A Markdown table: each variant's mean density over the run (warm-up included), and its
+    mean metric and mean gap (range over seeds) at each epoch of ``at`` and over the epochs
+    of ``window``."""
     base = next((v for v in variants if v.name == reference), None)
     if base is None:
         raise RunError(f"the study has no {reference!r} variant to compare with")
@@ -111,15 +113,14 @@ def gap_table(
     columns = [f"epoch {epoch}" for epoch in at]
     if window is not None:
         columns.append(f"mean of epochs {window[0]}–{window[1]}")
-    header = ["variant", "seeds", "mean density / δ"] + columns
+    header = ["variant", "seeds", "mean density K/d"] + columns
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
     queries = [("at", (epoch,)) for epoch in at]
     if window is not None:
         queries.append(("window", window))
     for variant in variants:
-        density = variant.mean_density() / variant.target_density
         cells = [variant.name, ",".join(map(str, variant.seeds)),
-                 "1 (dense)" if variant.name == reference else f"{density:.3f}"]  # fmt: skip
+                 "1" if variant is base else f"{variant.mean_density():.3g}"]  # fmt: skip
         for values, args in queries:
             own = getattr(variant, values)(*args)
             if own is None:
@@ -136,7 +137,8 @@ def gap_table(
 
 
 OVERSPENT = 1.1
-"""Variants whose mean density exceeds this many times δ are drawn dashed."""
+"""Variants whose mean density exceeds this many times the study's smallest target density
+are drawn dashed."""
 
 
 def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Path:
@@ -144,6 +146,8 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
     from microsparse.reports.plots import _DPI, _SIZE, _pyplot
 
     plt = _pyplot()
+    sparse = [v.target_density for v in variants if v.runs[0].sparsifier != "dense"]
+    budget = OVERSPENT * min(sparse, default=1.0)
     figure, axes = plt.subplots(figsize=(_SIZE[0] * 1.25, _SIZE[1] * 1.25))
     for variant in variants:
         epochs = min(len(run.metric_per_epoch()) for run in variant.runs)
@@ -152,9 +156,9 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
         xs = list(range(1, epochs + 1))
         per_epoch = [variant.at(epoch) or [math.nan] for epoch in xs]
         dense = variant.runs[0].sparsifier == "dense"
-        spent = variant.mean_density() / variant.target_density
-        label = variant.name if dense else f"{variant.name} ({spent:.3g}·δ)"
-        style = "--" if not dense and spent > OVERSPENT else "-"  # beyond the budget
+        spent = variant.mean_density()
+        label = variant.name if dense else f"{variant.name} ({spent:.2g})"
+        style = "--" if not dense and spent > budget else "-"  # beyond the budget
         (line,) = axes.plot(xs, [fmean(v) for v in per_epoch], style, label=label)
         axes.fill_between(xs, [min(v) for v in per_epoch], [max(v) for v in per_epoch],
                           color=line.get_color(), alpha=0.15, linewidth=0)  # fmt: skip
@@ -163,8 +167,8 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
     axes.set_ylabel(variants[0].metric.name.replace("_", " "))
     if not variants[0].metric.higher_is_better:
         axes.set_yscale("log")
-    axes.set_title(title or f"mean of {len(variants[0].runs)} seeds (band: lowest to highest; "
-                   "dashed: over 1.1·δ)")  # fmt: skip
+    axes.set_title(title or f"mean of {len(variants[0].runs)} seeds (band: lowest to highest); "
+                   f"in brackets: mean density; dashed: over {budget:.2g}")  # fmt: skip
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()

@@ -12,7 +12,9 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     """SGD (Nesterov if asked and momentum > 0) or Adam; no weight decay on batch norm.
 
     It steps on ``p.grad``, which the averaging has replaced by the sparse average of all
-    workers' gradients, so momentum and weight decay act on the average.
+    workers' gradients, so momentum and weight decay act on the average; with
+    ``momentum_correction`` the momentum is in the averaged values already, and SGD runs
+    without its own.
 
     Example:
         >>> config = TrainConfig().resolved()
