@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from statistics import fmean
 
@@ -37,12 +38,16 @@ class Variant:
     def seeds(self) -> list[int]:
         return [int(run.config.get("seed", index)) for index, run in enumerate(self.runs)]
 
+    @cached_property
+    def curves(self) -> list[list[float]]:
+        """Each seed's metric after every epoch (read once from the runs' records)."""
+        return [run.metric_per_epoch() for run in self.runs]
+
     def at(self, epoch: int) -> list[float] | None:
         """Each seed's metric after ``epoch`` epochs (1-based), None if a run lacks it."""
-        curves = [run.metric_per_epoch() for run in self.runs]
-        if any(len(curve) < epoch for curve in curves):
+        if any(len(curve) < epoch for curve in self.curves):
             return None
-        return [curve[epoch - 1] for curve in curves]
+        return [curve[epoch - 1] for curve in self.curves]
 
     def window(self, first: int, last: int) -> list[float] | None:
         """Each seed's mean metric over epochs ``first``..``last``, None if a run lacks one."""
@@ -150,7 +155,7 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
     budget = OVERSPENT * min(sparse, default=1.0)
     figure, axes = plt.subplots(figsize=(_SIZE[0] * 1.25, _SIZE[1] * 1.25))
     for variant in variants:
-        epochs = min(len(run.metric_per_epoch()) for run in variant.runs)
+        epochs = min(len(curve) for curve in variant.curves)
         if epochs == 0:
             continue
         xs = list(range(1, epochs + 1))
