@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse.ddp as mddp
 from distributed import run_ranks
 from microsparse import GradientReducer
+from microsparse.errors import ConfigMismatchError
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.training.config import ConfigError, TrainConfig
 from reference import micro_reference
@@ -161,6 +162,26 @@ def test_the_hook_follows_the_schedule_through_the_rebuild(tmp_path) -> None:
     ks = scheduled(numel)
     for seen in run_ranks(ddp_worker, 2, tmp_path):
         assert seen == [(k, k) for k in ks]  # the slabs' ks add up to the model's k
+
+
+def hook_mismatch_worker(rank: int, n: int) -> str:
+    torch.manual_seed(0)
+    ddp = DDP(Wide(), bucket_cap_mb=0.01)
+    state = mddp.MicroState(DENSITY, density_warmup=WARMUP)
+    ddp.register_comm_hook(state, mddp.micro_hook)
+    state.step = 2 if rank == 1 else 0  # resumed from another rank's checkpoint
+    try:
+        ddp(torch.randn(8, 40)).sum().backward()
+    except ConfigMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_rank_at_another_step_inside_the_warmup_is_told_not_aborted(tmp_path) -> None:
+    # Each step of a warm-up has its own k, so its own index-message size; the round that
+    # checks the step must keep one size anyway, or gloo aborts the process.
+    for message in run_ranks(hook_mismatch_worker, 2, tmp_path):
+        assert "different number of times (steps per rank: [0, 2])" in message, message
 
 
 def test_train_counts_the_warmup_in_the_mean_density(tmp_path) -> None:

@@ -8,7 +8,8 @@ learn all positions, and back into one position list that is identical on every 
   With ``union=True`` the positions are deduplicated (sparsifiers whose picks may overlap).
 - :class:`Fixed`: one all-gather of a fixed-capacity message that carries its own header
   (count, step, proposals): one round instead of two. A rank with more proposals than slots
-  sends its largest and keeps the rest in the residual.
+  sends its largest and keeps the rest in the residual. A density warm-up's extra slots
+  follow in a second round.
 - :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
   step is checked.
 - :class:`Dense`: no indices; every entry is averaged.
@@ -159,11 +160,14 @@ class Padded(Framing):
 
 
 class Fixed(Framing):
-    """One all-gather of ``header_slots + capacity`` slots per rank, header included.
+    """One all-gather of ``header_slots + base`` slots per rank, header included.
 
-    The capacity is the same at every step: a rank whose step counter disagrees must still
+    The size of that round never changes: a rank whose step counter disagrees must still
     meet the others in an equal-sized all-gather, so that the header can report the
-    disagreement instead of gloo aborting.
+    disagreement instead of gloo aborting. During a density warm-up the capacity is larger
+    than ``base`` (the capacity at the final k); the slots beyond it travel in a second
+    all-gather, sent only once the header has shown every rank at the same step, hence at the
+    same capacity.
 
     Example:
         >>> Fixed.collectives(slots=100, index_bytes=4)   # 3 header slots + 100 indices
@@ -175,11 +179,19 @@ class Fixed(Framing):
     header_slots = 3  # count, step, proposals
     _COUNT, _STEP, _PROPOSED = 0, 1, 2
 
-    def __init__(self, numel: int, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, numel: int, capacity: int, base: int | None = None) -> None:
         self.dtype = index_dtype(numel)
+        self.base = capacity if base is None else base
         self._message: torch.Tensor | None = None
+        self._overflow = torch.empty(0, dtype=self.dtype)
         self._decoder = _Positions()
+        self.resize(capacity)
+
+    def resize(self, capacity: int) -> None:
+        """Carry ``capacity`` positions per rank from now on (never fewer than ``base``)."""
+        if capacity < self.base:
+            raise ValueError(f"capacity {capacity} is below the message's base {self.base}")
+        self.capacity = capacity
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         local, accumulated = proposal.local, proposal.accumulated
@@ -187,23 +199,36 @@ class Fixed(Framing):
         if proposed > self.capacity:  # keep the largest; the rest waits in the residual
             keep = torch.topk(accumulated.index_select(0, local).abs_(), self.capacity).indices
             local = local.index_select(0, keep)
-        head = self.header_slots
+        head, base = self.header_slots, self.base
         if self._message is None or self._message.device != local.device:
-            self._message = torch.empty(head + self.capacity, dtype=self.dtype,
-                                        device=local.device)  # fmt: skip
+            self._message = torch.empty(head + base, dtype=self.dtype, device=local.device)
         message = self._message
         message[self._COUNT] = local.numel()
         message[self._STEP] = proposal.step
         message[self._PROPOSED] = proposed
-        message[head : head + local.numel()] = local
-        message[head + local.numel() :] = 0  # what is not a position must not leak
+        first = min(local.numel(), base)
+        message[head : head + first] = local[:first]
+        message[head + first :] = 0  # what is not a position must not leak
         rows = yield Collective("all_gather", message, "indices")
         header = rows[:, :head].tolist()
         check_steps([row[self._STEP] for row in header])
         counts = [row[self._COUNT] for row in header]
-        positions = self._decoder.decode(rows[:, head:], counts)
+        slots = rows[:, head:]
+        if self.capacity > base:
+            overflow = self._overflow_buffer(local.device)
+            overflow[: local.numel() - first] = local[first:]
+            overflow[local.numel() - first :] = 0
+            more = yield Collective("all_gather", overflow, "indices")
+            slots = torch.cat([slots, more], dim=1)
+        positions = self._decoder.decode(slots, counts)
         proposals = sum(row[self._PROPOSED] for row in header)
         return Exchanged(positions, local.numel(), self.capacity, proposals, proposed)
+
+    def _overflow_buffer(self, device: torch.device) -> torch.Tensor:
+        extra = self.capacity - self.base
+        if self._overflow.numel() < extra or self._overflow.device != device:
+            self._overflow = torch.empty(extra, dtype=self.dtype, device=device)
+        return self._overflow[:extra]
 
     @classmethod
     def collectives(

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
-from microsparse.comm.framing import Dense, Padded
+from microsparse.comm.framing import Dense, Fixed, Padded
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
@@ -141,7 +141,7 @@ class SparseState:
             self._check_saved_by(self._pending, rank, world_size)
         probe = self._make_sparsifier()
         probe.bind(_probe_layout(), rank, world_size)
-        rounds = _rounds(probe)
+        rounds = _rounds(probe, warmup=self.density_warmup is not None)
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
@@ -374,15 +374,17 @@ class PassRecord:
         )
 
 
-def _rounds(sparsifier: Sparsifier) -> int:
-    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol)."""
+def _rounds(sparsifier: Sparsifier, warmup: bool = False) -> int:
+    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol);
+    a ``warmup`` adds the fixed index message's overflow round."""
     framing = sparsifier.framing()
     if isinstance(framing, Dense):
         return 2  # header, values
     if sparsifier.planned:  # header, plan, (indices,) values
         return 3 + isinstance(framing, Padded)
     # (agreement,) the index exchange (a padded one has a count header first), values
-    return int(sparsifier.agrees) + (2 if isinstance(framing, Padded) else 1) + 1
+    exchange = 2 if isinstance(framing, Padded) or (warmup and isinstance(framing, Fixed)) else 1
+    return int(sparsifier.agrees) + exchange + 1
 
 
 def _probe_layout() -> Layout:

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
-from microsparse.comm.framing import Dense, Proposal
+from microsparse.comm.framing import Dense, Fixed, Proposal
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, any_nonfinite
 from microsparse.sparsifiers import Sparsifier
@@ -205,7 +205,11 @@ class SparseStep:
         target = self.schedule(step)
         if target != self.sparsifier.target:
             self.sparsifier.retarget(target)
-            self.framing = self.sparsifier.framing()
+            renewed = self.sparsifier.framing()
+            if isinstance(self.framing, Fixed) and isinstance(renewed, Fixed):
+                self.framing.resize(renewed.capacity)  # keep its message buffers
+            else:
+                self.framing = renewed
 
     def commit(self) -> None:
         """The step that just ran is the new state (a transactional residual takes its a)."""

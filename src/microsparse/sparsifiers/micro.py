@@ -148,17 +148,19 @@ class Micro(Sparsifier):
 
     def retarget(self, target: int) -> None:
         super().retarget(target)
-        n = self.world_size
-        if self.selection == "quota":  # room for the largest share, ⌈k/n⌉
-            self.capacity = min(math.ceil(target / n), self._largest)
-        else:
-            self.capacity = math.ceil(self.capacity_factor * target / n) + 8
+        self.capacity = self._capacity(target)
         if self._rule is not None:  # λ carries over; the rule now aims at the new k
             self._rule.target = target
 
+    def _capacity(self, target: int) -> int:
+        n = self.world_size
+        if self.selection == "quota":  # room for the largest share, ⌈k/n⌉
+            return min(math.ceil(target / n), self._largest)
+        return math.ceil(self.capacity_factor * target / n) + 8
+
     def framing(self) -> Framing:
-        if self.index_message == "fixed":
-            return Fixed(self.layout.numel, self.capacity)
+        if self.index_message == "fixed":  # a warm-up's larger k overflows the final message
+            return Fixed(self.layout.numel, self.capacity, self._capacity(self.final_target))
         return Padded(self.layout.numel)
 
     def _part(self, step: int) -> int:
