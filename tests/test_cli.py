@@ -90,7 +90,7 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert (meta["step"], meta["epoch"], meta["batch"], meta["world_size"]) == (8, 0, 8, 2)
 
 
-@pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)"])
+@pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)", "powersgd(rank=2,start=3)"])
 def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
     bytes per step from the peers' model and the runs labelled by the hook."""
@@ -113,7 +113,9 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     shapes = [tuple(p.shape) for p in model.parameters()]
     expected = peermodel.peer_bytes(hook, shapes, 2)
     dense = records[0]["dense_bytes"]
-    plain = 2 if hook.startswith("powersgd") else 0  # PowerSGD's plain all-reduce steps
+    plain = 0  # PowerSGD's plain all-reduce steps: 2 by default, or the name's start
+    if hook.startswith("powersgd"):
+        plain = 3 if "start=3" in hook else 2
     assert [r["bytes_sent"] for r in records] == [dense] * plain + [expected] * (4 - plain)
     assert all(r["padding_overhead"] == 0 for r in records)  # no index message
     assert expected == {"ddp": dense, "fp16": dense // 2}.get(hook, expected) and expected > 0
@@ -151,6 +153,7 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--ddp-hook", "topk"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(rnk=2)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(buckets=default)"], "--ddp-hook"),
+        (["--integration", "ddp", "--ddp-hook", "powersgd(start=1)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd", "--checkpoint-every", "2"],
          "--ddp-hook"),  # fmt: skip
     ],

@@ -10,7 +10,9 @@ A method name is one of:
   ``fp16_compress_hook``; DDP refuses torch's ``bf16_compress_hook`` without CUDA, so ``bf16``
   is the same body (divide, cast, all-reduce, cast back) under another name, written here;
 - ``powersgd`` or ``powersgd(rank=R)``: torch's ``powerSGD_hook`` (PowerSGDState with error
-  feedback and warm start, compressing from the first recorded step). With DDP's default
+  feedback and warm start, compressing from the first recorded step). ``start=S`` runs a
+  plain all-reduce for the first S steps (torch's ``start_powerSGD_iter``, which its
+  authors advise for accuracy; at least 2). With DDP's default
   buckets it crashed on gloo under load ("Received data size doesn't match expected size"),
   so it runs with one bucket holding the whole model (``bucket_cap_mb`` large), marked so in
   its name's description; ``powersgd(rank=R,buckets=default)`` asks for DDP's buckets;
@@ -22,6 +24,8 @@ Example:
     ('hook', 'micro', {'selection': 'threshold'})
     >>> parse("powersgd(rank=4)").rank, parse("powersgd").one_bucket
     (4, True)
+    >>> parse("powersgd(rank=4,start=100)").start
+    100
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class Method:
     options: dict[str, Any] = field(default_factory=dict)
     rank: int = 0  # PowerSGD's matrix approximation rank
     one_bucket: bool = False  # DDP with one bucket holding the whole model
+    start: int | None = None  # PowerSGD's plain all-reduce steps, if the name sets them
+
+    def compresses_from(self, default: int) -> int:
+        """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
+        return self.start if self.start is not None else max(2, default)
 
     @property
     def uses_ddp(self) -> bool:
@@ -70,14 +79,17 @@ def parse(name: str) -> Method:
         if name.endswith(HOOK_SUFFIX):
             raise ValueError(f"method {name!r}: {label} always runs through DDP; drop "
                              f"{HOOK_SUFFIX}")  # fmt: skip
-        unknown = set(options) - ({"rank", "buckets"} if label == "powersgd" else set())
+        unknown = set(options) - ({"rank", "buckets", "start"} if label == "powersgd" else set())
         if unknown:
             raise ValueError(f"method {name!r}: {label} takes no option {sorted(unknown)}")
         if options.get("buckets", "one") not in ("one", "default"):
             raise ValueError(f"method {name!r}: buckets must be 'one' or 'default'")
-        rank = int(options.get("rank", 1)) if label == "powersgd" else 0
+        rank = _whole(name, "rank", options.get("rank", "1"), 1) if label == "powersgd" else 0
+        start = options.get("start")
+        if start is not None:  # torch needs 2 steps to set up error feedback and warm start
+            start = _whole(name, "start", start, 2)
         one_bucket = label == "powersgd" and options.get("buckets", "one") == "one"
-        return Method(name, "peer", label, {}, rank, one_bucket)
+        return Method(name, "peer", label, {}, rank, one_bucket, start)
     try:
         (variant,) = find_variants((base,))
     except ValueError:
@@ -88,6 +100,16 @@ def parse(name: str) -> Method:
         ) from None
     kind = "hook" if name.endswith(HOOK_SUFFIX) else "loop"
     return Method(name, kind, variant.name, dict(variant.options))
+
+
+def _whole(name: str, key: str, text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise ValueError(f"method {name!r}: {key} must be a whole number >= {least}, got {text!r}")
+    return value
 
 
 def _arguments(name: str, text: str) -> dict[str, str]:
@@ -103,7 +125,8 @@ def _arguments(name: str, text: str) -> dict[str, str]:
 
 def attach(method: Method, model: nn.Module, density: float, start: int) -> tuple[nn.Module, Any]:
     """Wrap ``model`` for a DDP method and register its hook; returns (module to train, the
-    hook's state or None). ``start`` is the step from which PowerSGD compresses."""
+    hook's state or None). ``start`` is the step from which PowerSGD compresses, unless the
+    name sets its own."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
@@ -126,7 +149,8 @@ def attach(method: Method, model: nn.Module, density: float, start: int) -> tupl
     elif method.sparsifier == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=method.rank,
-            start_powerSGD_iter=max(2, start), use_error_feedback=True, warm_start=True,
+            start_powerSGD_iter=method.compresses_from(start), use_error_feedback=True,
+            warm_start=True,
         )  # fmt: skip
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return ddp, state

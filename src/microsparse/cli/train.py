@@ -145,8 +145,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="HOOK",
         help="with --integration ddp: microsparse (the sparse hook, --sparsifier), or what "
         "users would pick instead, for comparison: ddp (stock DDP), fp16, bf16 (torch's "
-        "compression hooks), powersgd(rank=R) (torch's powerSGD_hook with one bucket holding "
-        "the whole model, plain all-reduce for 2 steps, then compressed); --sparsifier and "
+        "compression hooks), powersgd(rank=R,start=S) (torch's powerSGD_hook with one bucket "
+        "holding the whole model, plain all-reduce for S steps (default 2), then compressed); "
+        "--sparsifier and "
         "--density are then unused (default: microsparse)",
     )
     recipe = train.add_argument_group("recipe (default: the task's)")

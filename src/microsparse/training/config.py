@@ -68,7 +68,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps (in all), even mid-epoch
     progress: bool = True  # tqdm bar on rank 0
     integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
-    ddp_hook: str = "microsparse"  # or a peer (``bench.peers``): ddp, fp16, bf16, powersgd(rank=R)
+    ddp_hook: str = "microsparse"  # or a peer (``bench.peers``): ddp, fp16, bf16, powersgd(...)
     checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
@@ -192,7 +192,7 @@ class TrainConfig:
 def _check_peer(config: TrainConfig) -> None:
     from microsparse.bench import peers
 
-    choices = f"microsparse, {', '.join(peers.PEERS)} or powersgd(rank=R)"
+    choices = f"microsparse, {', '.join(peers.PEERS)} or powersgd(rank=R,start=S)"
     unknown = f"must be one of {choices}; got {config.ddp_hook!r}"
     try:
         method = peers.parse(config.ddp_hook)

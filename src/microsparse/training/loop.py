@@ -211,7 +211,8 @@ class Averaging:
 
 
 POWERSGD_START = 2
-"""Steps of plain all-reduce before PowerSGD compresses (torch's ``start_powerSGD_iter``)."""
+"""Steps of plain all-reduce before PowerSGD compresses (torch's ``start_powerSGD_iter``),
+unless its name sets ``start=``."""
 
 
 class PeerAveraging:
@@ -221,7 +222,8 @@ class PeerAveraging:
     every entry averaged, the bytes of :func:`microsparse.bench.peermodel.peer_bytes`.
     PowerSGD runs as ``bench.peers.attach`` sets it up: one bucket holding the whole model
     (torch's hook raced on gloo with DDP's buckets), a plain all-reduce for the first
-    ``POWERSGD_START`` steps (counted as dense bytes) and compression from then on.
+    ``POWERSGD_START`` steps or the name's ``start=`` (counted as dense bytes) and compression
+    from then on.
     """
 
     def __init__(self, model: nn.Module, name: str) -> None:
@@ -230,7 +232,8 @@ class PeerAveraging:
         self.name = name
         method = peers.parse(name)
         self.model, _ = peers.attach(method, model, density=1.0, start=POWERSGD_START)
-        self._start = POWERSGD_START if method.sparsifier == "powersgd" else 0
+        powersgd = method.sparsifier == "powersgd"
+        self._start = method.compresses_from(POWERSGD_START) if powersgd else 0
         self.steps = 0
         shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
         self._numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
