@@ -78,6 +78,8 @@ CROSS_CHECK = [
                "index_message": "padded"}),
     ("micro", {"momentum_correction": 0.9}),
     ("micro", {"momentum_correction": 0.9, "momentum_nesterov": True}),
+    ("micro", {"density_warmup": (0.5, 4)}),  # the fixed message's overflow round
+    ("micro", {"selection": "threshold", "density_warmup": (0.5, 4)}),
     ("topk", {}),
     ("hard_threshold", {}),
     ("sage", {"seed": 3}),
