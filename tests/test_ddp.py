@@ -79,6 +79,7 @@ CROSS_CHECK = [
     ("micro", {"momentum_correction": 0.9}),
     ("micro", {"momentum_correction": 0.9, "momentum_nesterov": True}),
     ("micro", {"density_warmup": (0.5, 4)}),  # the fixed message's overflow round
+    ("micro", {"adam_correction": (0.25, 0.9949, 1e-8)}),
     ("micro", {"selection": "threshold", "density_warmup": (0.5, 4)}),
     ("topk", {}),
     ("hard_threshold", {}),
@@ -129,6 +130,11 @@ def cross_check_worker(rank: int, n: int, steps: int) -> list[bool]:
                 velocity = state.velocity(a)
                 equal &= (velocity is None) == (reducer.velocity is None)
                 equal &= velocity is None or torch.equal(velocity, reducer.velocity[where])
+                moments, mine = state.moments(a), reducer.moments
+                equal &= (moments is None) == (mine is None)
+                equal &= moments is None or all(
+                    torch.equal(x, y[where]) for x, y in zip(moments, mine)
+                )
             equal &= state.last_step.selected == reducer.last_step.selected
         results.append(equal)
     return results
@@ -275,7 +281,9 @@ def resume_worker(rank: int, n: int, steps: int, stop_at: int, options: dict) ->
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"threshold_rule": "symmetric"}, {"momentum_correction": 0.9}]
+    "options",
+    [{}, {"threshold_rule": "symmetric"}, {"momentum_correction": 0.9},
+     {"adam_correction": (0.9, 0.999, 1e-8)}],  # fmt: skip
 )
 def test_resumed_training_equals_uninterrupted(options, tmp_path) -> None:
     for equal in run_ranks(resume_worker, 2, tmp_path, 10, 5, options):

@@ -24,6 +24,18 @@ SCENARIOS = {
         task_options={"bptt": 5},
         epochs=2,
     ),
+    # Adam correction: every worker's Adam moments, through the checkpoint.
+    "lm-loop-adam": dict(
+        task="lm",
+        model_options={"units": 8, "layers": 1, "dropout": 0.0},
+        batch_size=2,
+        task_options={"bptt": 5},
+        epochs=2,
+        optimizer="adam",
+        lr=0.01,
+        betas=(0.9, 0.999),
+        adam_correction=True,
+    ),
     # CIFAR: augmentation (RNG), momentum, warm-up; DDP's hook state. The model fits in one
     # DDP bucket: the hook's per-bucket message capacity makes a step depend on how DDP
     # grouped the parameters, and a fresh DDP model groups them differently in its first step.

@@ -67,6 +67,12 @@ class GradientReducer:
             residual accumulates g and the optimiser's momentum acts on the sparse average,
             which trained better in this project's study (docs/EXPERIMENTS.md).
         momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
+        adam_correction: ``(beta1, beta2, eps)``: every worker keeps Adam's moments of its own
+            gradients, and the residual accumulates Adam's step m̂ / (√v̂ + ε) instead of the
+            gradient, so what is averaged is Adam steps: step with plain SGD at Adam's
+            learning rate (no momentum, no weight decay; add an L2 term to the loss instead).
+            Adam on the sparse average sees one accumulated value per entry every many steps
+            and zeros between (docs/EXPERIMENTS.md, NeuMF). Not with ``grad_scaler``.
         density_warmup: ``(start, steps)``: send at density start · (density / start) **
             (t / steps) at step t < steps, then at ``density`` (Deep Gradient Compression's
             warm-up). The extra entries are real traffic; ``DensityWarmup.mean_density`` says
@@ -123,6 +129,7 @@ class GradientReducer:
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
+        adam_correction: tuple[float, float, float] | None = None,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
@@ -132,6 +139,11 @@ class GradientReducer:
             )
         if collectives is not None and process_group is not None:
             raise ValueError("pass process_group or collectives, not both")
+        if adam_correction is not None and grad_scaler is not None:
+            raise ValueError(
+                "adam_correction keeps Adam's moments of unscaled gradients: it cannot follow "
+                "a grad_scaler's scale; train without the scaler (bf16 autocast needs none)"
+            )
         self.value_dtype = value_dtype
         self._names, self._params = _trainable_parameters(params)
         first = self._params[0]
@@ -144,8 +156,10 @@ class GradientReducer:
         dtype = accumulator_dtype(p.dtype for p in self._params)
         self.transactional = bool(transactional) or grad_scaler is not None
         self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional,
-                                       momentum_correction, momentum_nesterov)  # fmt: skip
+                                       momentum_correction, momentum_nesterov,
+                                       adam_correction)  # fmt: skip
         self.momentum_correction = self._feedback.momentum
+        self.adam_correction = self._feedback.adam
         self.density_warmup = warmup = DensityWarmup.of(density_warmup)
         schedule = None
         if warmup is not None:
@@ -186,6 +200,12 @@ class GradientReducer:
         """This worker's velocity u with ``momentum_correction`` (do not modify), else None."""
         return self._feedback.velocity
 
+    @property
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This worker's Adam moments (m, v) with ``adam_correction`` (do not modify), else
+        None."""
+        return self._feedback.moments
+
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         began = time.perf_counter()
@@ -218,6 +238,8 @@ class GradientReducer:
         )
         if self.momentum_correction:  # absent otherwise: older states still load
             fingerprint += f"|momentum {self.momentum_correction} {self._feedback.nesterov}"
+        if self.adam_correction is not None:
+            fingerprint += f"|adam {self.adam_correction!r}"
         if self.density_warmup is not None:
             fingerprint += f"|warm-up {self.density_warmup.start!r} {self.density_warmup.steps}"
         return fingerprint
@@ -228,8 +250,10 @@ class GradientReducer:
         Example:
             >>> torch.save(reducer.state_dict(), f"reducer-rank{rank}.pt")  # doctest: +SKIP
         """
-        velocity = self._feedback.velocity
+        velocity, moments = self._feedback.velocity, self._feedback.moments
+        extra = {} if moments is None else {"moments": [m.clone() for m in moments]}
         return {
+            **extra,
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
@@ -257,6 +281,8 @@ class GradientReducer:
         self._feedback.residual.copy_(state["residual"])
         if self._feedback.velocity is not None:
             self._feedback.velocity.copy_(state["velocity"])
+        for moment, saved_moment in zip(self._feedback.moments or (), state.get("moments", ())):
+            moment.copy_(saved_moment)
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
         self._scaling.scale = state.get("scale")

@@ -128,6 +128,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "Compression) instead of applying it in the optimiser to the sparse average",
     )
     add(
+        "--adam-correction",
+        action="store_true",
+        default=None,
+        help="with the recipe's Adam: each worker accumulates its own Adam step in the error "
+        "feedback, and plain SGD applies the sparse average",
+    )
+    add(
         "--density-warmup",
         type=arguments.density_warmup,
         metavar="START,EPOCHS",

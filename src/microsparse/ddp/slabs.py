@@ -74,6 +74,7 @@ class Slab:
         transactional: bool = False,
         momentum: tuple[float, bool] = (0.0, False),
         warmup: DensityWarmup | None = None,
+        adam: tuple[float, float, float] | None = None,
     ) -> None:
         self.params = tuple(params)
         self.indices = tuple(indices)
@@ -85,7 +86,7 @@ class Slab:
         for p in params:
             dtype = torch.promote_types(dtype, p.dtype)
         self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional,
-                                      *momentum)  # fmt: skip
+                                      *momentum, adam)  # fmt: skip
         self.engine = SparseStep(sparsifier, self.feedback, value_dtype,
                                  _slab_schedule(warmup, sparsifier.density, offset, target,
                                                 self.layout.numel))  # fmt: skip
@@ -179,12 +180,15 @@ class Slabs:
         transactional: bool = False,
         momentum: tuple[float, bool] = (0.0, False),
         warmup: DensityWarmup | None = None,
+        adam: tuple[float, float, float] | None = None,
     ) -> None:
         self._make = make_sparsifier
         self.warmup = warmup
         self.transactional = transactional
         self.momentum = momentum
         """Momentum correction (m, Nesterov): each parameter then carries a velocity too."""
+        self.adam = adam
+        """Adam correction (β₁, β₂, ε): each parameter then carries Adam's two moments."""
         self.rank = rank
         self.world_size = world_size
         self.value_dtype = value_dtype
@@ -292,7 +296,8 @@ class Slabs:
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
         slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype, self.transactional, self.momentum, self.warmup)  # fmt: skip
+                    self.value_dtype, self.transactional, self.momentum, self.warmup,
+                    self.adam)  # fmt: skip
         for index, p in enumerate(params):
             previous = self.memory(p)
             if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along
@@ -326,8 +331,8 @@ class Slabs:
         return None if memory is None else memory[0]
 
     def memory(self, param: torch.Tensor) -> list[torch.Tensor] | None:
-        """``param``'s residual, then its velocity with momentum correction (flat views into
-        its slab's), None before it is met."""
+        """``param``'s residual, then its velocity with momentum correction or its two Adam
+        moments with Adam correction (flat views into its slab's), None before it is met."""
         place = self._place.get(id(param))
         if place is None:
             return self._loaded.get(id(param))
@@ -352,6 +357,8 @@ class Slabs:
         }
         if self.momentum[0]:
             state["velocities"] = [buffers[1] for buffers in memory]
+        if self.adam is not None:
+            state["moments"] = [buffers[1:] for buffers in memory]
         return state
 
     def restore(self, state: dict[str, object]) -> None:
@@ -363,8 +370,11 @@ class Slabs:
         saved = _Saved(list(state["residuals"]), definitions,  # type: ignore[call-overload]
                        list(state["states"]), slab_of, set())  # type: ignore[call-overload]  # fmt: skip
         velocities = state.get("velocities") if self.momentum[0] else None
+        moments = state.get("moments") if self.adam is not None else None
         self._saved_memory = [
-            [residual] if velocities is None else [residual, velocities[i]]  # type: ignore[index]
+            [residual]
+            + ([] if velocities is None else [velocities[i]])  # type: ignore[index]
+            + ([] if moments is None else list(moments[i]))  # type: ignore[index]
             for i, residual in enumerate(saved.residuals)
         ]
         self._restored = saved if saved.slabs else None

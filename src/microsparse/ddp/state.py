@@ -15,7 +15,7 @@ from microsparse.comm.framing import Dense, Fixed, Padded
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
-from microsparse.feedback import ResidualScale, check_momentum
+from microsparse.feedback import ResidualScale, check_adam, check_momentum
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
@@ -52,6 +52,9 @@ class SparseState:
             as in :class:`microsparse.GradientReducer`: every worker's velocity moves into
             the error feedback, so step the optimiser *without* momentum. 0 (default): off.
         momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
+        adam_correction: ``(beta1, beta2, eps)``: every worker's own Adam step goes into the
+            error feedback, as in :class:`microsparse.GradientReducer`, so step with plain SGD
+            at Adam's learning rate. Not with ``grad_scaler``.
         density_warmup: ``(start, steps)``: a density warm-up, as in
             :class:`microsparse.GradientReducer` (the slabs' ks add up to the model's).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
@@ -77,6 +80,7 @@ class SparseState:
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
+        adam_correction: tuple[float, float, float] | None = None,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
@@ -93,7 +97,18 @@ class SparseState:
         self.scaling = ResidualScale(grad_scaler)
         self.process_group = process_group
         self.momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
+        self.adam = None if adam_correction is None else check_adam(adam_correction)
+        if self.adam is not None and (grad_scaler is not None or self.momentum[0]):
+            raise ValueError(
+                "adam_correction keeps Adam's moments of unscaled gradients and replaces "
+                "momentum correction: use it without grad_scaler and momentum_correction"
+            )
         create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
+        if self.adam is not None and self.averages_densely:
+            raise ValueError(
+                "adam_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
+            )
         if self.momentum[0] and self.averages_densely:
             raise ValueError(
                 "momentum_correction needs error feedback, but this state averages densely "
@@ -145,7 +160,8 @@ class SparseState:
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.transactional, self.momentum, self.density_warmup)  # fmt: skip
+                      self.transactional, self.momentum, self.density_warmup,
+                      self.adam)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -168,7 +184,15 @@ class SparseState:
         self.residual(param)  # raises if not met yet
         assert self._binding is not None
         memory = self._binding.slabs.memory(param)
-        return memory[1] if memory is not None and len(memory) > 1 else None
+        return memory[1] if memory is not None and self.momentum[0] else None
+
+    def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's Adam moments (m, v) of ``param`` with Adam correction (flat; do not
+        modify), else None."""
+        if self._binding is None or self.adam is None:
+            return None
+        memory = self._binding.slabs.memory(param)
+        return None if memory is None else (memory[1], memory[2])
 
     @property
     def rank(self) -> int | None:
@@ -190,6 +214,8 @@ class SparseState:
         }
         if self.momentum[0]:  # absent otherwise: older states still load
             config["momentum_correction"] = list(self.momentum)
+        if self.adam is not None:
+            config["adam_correction"] = list(self.adam)
         if self.density_warmup is not None:
             config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
         return config

@@ -121,6 +121,11 @@ class SparseStep:
                 "density_warmup needs a sparsifier that selects, but this one averages densely "
                 "(dense, or density 1): leave density_warmup unset"
             )
+        if isinstance(self.framing, Dense) and feedback.adam:
+            raise ValueError(
+                "adam_correction needs error feedback, but this sparsifier averages densely "
+                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
+            )
         if isinstance(self.framing, Dense) and feedback.momentum:
             raise ValueError(
                 "momentum_correction needs error feedback, but this sparsifier averages densely "
@@ -153,7 +158,7 @@ class SparseStep:
             self._follow_schedule(step)
         clock = _Clock()
         sparsifier = self.sparsifier
-        self.feedback.compensate(fresh)
+        self.feedback.compensate(fresh, step)
         accumulated = self.feedback.accumulated
         counts = yield from clock.local(self._pre_selection(accumulated, step))
         local = sparsifier.select(accumulated, step)

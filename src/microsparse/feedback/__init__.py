@@ -5,7 +5,10 @@ from microsparse.feedback.residual import (
     Fresh,
     ResidualScale,
     any_nonfinite,
+    check_adam,
     check_momentum,
 )
 
-__all__ = ["ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite", "check_momentum"]
+__all__ = [
+    "ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite", "check_adam", "check_momentum",
+]

@@ -31,6 +31,11 @@ class ErrorFeedback:
     masking). The averaged values then carry the momentum, so the optimiser must run without
     its own.
 
+    With ``adam`` = (β₁, β₂, ε) it applies *Adam correction*: each worker keeps Adam's moments
+    of its own gradients, m ← β₁·m + (1−β₁)·g and v ← β₂·v + (1−β₂)·g², and the residual
+    accumulates Adam's step m̂ / (√v̂ + ε) (bias-corrected for the step) instead of g. The
+    averaged values are then Adam steps, so the optimiser must be plain SGD at Adam's rate.
+
     Example:
         >>> import torch
         >>> layout = Layout.of([("w", torch.zeros(4))])
@@ -50,9 +55,16 @@ class ErrorFeedback:
         transactional: bool = False,
         momentum: float = 0.0,
         nesterov: bool = False,
+        adam: tuple[float, float, float] | None = None,
     ) -> None:
         self.momentum = check_momentum(momentum)
         self.nesterov = bool(nesterov)
+        self.adam = None if adam is None else check_adam(adam)
+        if self.momentum and self.adam:
+            raise ValueError(
+                "momentum_correction and adam_correction both move the optimiser into the "
+                "error feedback: set one of them"
+            )
         self.transactional = transactional
 
         def pair() -> list[FlatVector]:
@@ -61,6 +73,9 @@ class ErrorFeedback:
 
         self._residual = pair()  # [committed, working]: one object unless transactional
         self._velocity = pair() if self.momentum else None
+        # Adam's moments, and a scratch for the gradient and the step's denominator
+        self._moments = (pair(), pair()) if self.adam else None
+        self._scratch = FlatVector(layout, dtype, device) if self.adam else None
 
     @property
     def accumulated(self) -> torch.Tensor:
@@ -78,18 +93,33 @@ class ErrorFeedback:
         return None if self._velocity is None else self._velocity[0].data
 
     @property
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(m, v) as of the last committed step with Adam correction, else None."""
+        if self._moments is None:
+            return None
+        return self._moments[0][0].data, self._moments[1][0].data
+
+    @property
     def buffers(self) -> list[FlatVector]:
-        """What a worker carries between steps: e, then u with momentum correction."""
-        return [self._residual[0]] + ([] if self._velocity is None else [self._velocity[0]])
+        """What a worker carries between steps: e, then u with momentum correction, or m and
+        v with Adam correction."""
+        extra = [] if self._velocity is None else [self._velocity[0]]
+        if self._moments is not None:
+            extra = [pair[0] for pair in self._moments]
+        return [self._residual[0], *extra]
 
     @property
     def views(self) -> list[torch.Tensor]:
         """:attr:`residual` shaped like each parameter."""
         return self._residual[0].views
 
-    def compensate(self, fresh: Fresh) -> None:
+    def compensate(self, fresh: Fresh, step: int = 0) -> None:
         """a ← e + g, or with momentum correction u ← m·u + g and a ← e + u (Nesterov:
-        e + g + m·u). A missing gradient (unused parameter) counts as zero."""
+        e + g + m·u), or with Adam correction a ← e + Adam's step number ``step`` (from 0).
+        A missing gradient (unused parameter) counts as zero."""
+        if self._moments is not None:
+            self._adam_step(fresh, step)
+            return
         if self._velocity is None:
             _add_into(self._residual, fresh)
             return
@@ -113,9 +143,26 @@ class ErrorFeedback:
 
     def commit(self) -> None:
         """The step succeeded: its a, with the sent positions forgotten, is the residual."""
-        for pair in (self._residual, self._velocity):
+        for pair in (self._residual, self._velocity, *(self._moments or ())):
             if pair is not None:
                 pair.reverse()
+
+    def _adam_step(self, fresh: Fresh, step: int) -> None:
+        assert self._moments is not None and self._scratch is not None and self.adam
+        beta1, beta2, eps = self.adam
+        (first, first_out), (second, second_out) = self._moments
+        g = self._scratch
+        g.data.zero_()
+        _add_into([g, g], fresh)
+        torch.lerp(first.data, g.data, 1.0 - beta1, out=first_out.data)
+        torch.mul(second.data, beta2, out=second_out.data)
+        second_out.data.addcmul_(g.data, g.data, value=1.0 - beta2)
+        t = step + 1  # Adam's bias correction counts from 1
+        denominator = torch.div(second_out.data, 1.0 - beta2**t, out=g.data).sqrt_().add_(eps)
+        committed, working = self._residual
+        if working is not committed:
+            working.data.copy_(committed.data)
+        working.data.addcdiv_(first_out.data, denominator, value=1.0 / (1.0 - beta1**t))
 
 
 def check_momentum(momentum: float) -> float:
@@ -128,6 +175,22 @@ def check_momentum(momentum: float) -> float:
             f"got {momentum!r}"
         )
     return float(momentum)
+
+
+def check_adam(adam: Sequence[float]) -> tuple[float, float, float]:
+    """``adam`` as (β₁, β₂, ε) with β in [0, 1) and ε > 0, or raise naming the option."""
+    try:
+        beta1, beta2, eps = (float(x) for x in adam)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"adam_correction must be (beta1, beta2, eps), e.g. (0.9, 0.999, 1e-8); got {adam!r}"
+        ) from None
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and eps > 0.0):
+        raise ValueError(
+            f"adam_correction must be (beta1, beta2, eps) with betas in [0, 1) and eps > 0, "
+            f"got {adam!r}"
+        )
+    return beta1, beta2, eps
 
 
 def _add_into(pair: list[FlatVector], fresh: Fresh, scale: float = 1.0) -> None:

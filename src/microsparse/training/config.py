@@ -46,6 +46,7 @@ class TrainConfig:
     partitioning: str | None = None  # MiCRO's "interleaved" or "contiguous"; None: its own
     index_message: str | None = None  # MiCRO's "fixed" or "padded"; None: its own default
     momentum_correction: bool = False  # the recipe's momentum moves into the error feedback
+    adam_correction: bool = False  # each worker's Adam step goes into the error feedback
     density_warmup: tuple[float, float] | None = None  # (start density, epochs)
     # The recipe (None: the task's).
     epochs: int | None = None
@@ -167,6 +168,18 @@ class TrainConfig:
             _require(
                 self.sparsifier != "dense" and self.ddp_hook == "microsparse",
                 "momentum_correction",
+                "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
+            )
+        if self.adam_correction:
+            _require(
+                self.optimizer == "adam" and not self.weight_decay,
+                "adam_correction",
+                "moves Adam into the error feedback: it needs optimizer adam without weight "
+                "decay",
+            )
+            _require(
+                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
+                "adam_correction",
                 "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
             )
         if self.density_warmup is not None:

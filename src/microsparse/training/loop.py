@@ -161,6 +161,8 @@ class Averaging:
         options = config.sparsifier_options()
         if config.momentum_correction:  # the optimiser then runs without momentum
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
+        if config.adam_correction:  # the optimiser is then plain SGD at Adam's rate
+            options["adam_correction"] = (*config.betas, 1e-8)  # torch's Adam's eps
         if config.density_warmup is not None:
             start, epochs = config.density_warmup
             options["density_warmup"] = (start, max(1, round(epochs * steps_per_epoch)))

@@ -14,7 +14,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     It steps on ``p.grad``, which the averaging has replaced by the sparse average of all
     workers' gradients, so momentum and weight decay act on the average; with
     ``momentum_correction`` the momentum is in the averaged values already, and SGD runs
-    without its own.
+    without its own; with ``adam_correction`` the averaged values are Adam steps, applied by
+    plain SGD at Adam's rate.
 
     Example:
         >>> config = TrainConfig().resolved()
@@ -33,6 +34,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
         {"params": [p for p in parameters if id(p) in norm_ids], "weight_decay": 0.0},
     ]
     groups = [group for group in groups if group["params"]]
+    if config.optimizer == "adam" and config.adam_correction:  # Adam is in the averaged steps
+        return torch.optim.SGD(groups, lr=config.lr)
     if config.optimizer == "adam":
         return torch.optim.Adam(
             groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
