@@ -15,27 +15,19 @@ from microsparse.training.checkpoint import read_meta
 from microsparse.training.config import resume_config
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
+# LSTM: dropout (RNG) and a hidden state carried across steps; interrupted mid-epoch.
+LM_LOOP = dict(
+    task="lm",
+    model_options={"units": 8, "layers": 2, "dropout": 0.3},
+    batch_size=2,
+    task_options={"bptt": 5},
+    epochs=2,
+)
 SCENARIOS = {
-    # LSTM: dropout (RNG) and a hidden state carried across steps; interrupted mid-epoch.
-    "lm-loop": dict(
-        task="lm",
-        model_options={"units": 8, "layers": 2, "dropout": 0.3},
-        batch_size=2,
-        task_options={"bptt": 5},
-        epochs=2,
-    ),
+    "lm-loop": LM_LOOP,
     # Adam correction: every worker's Adam moments, through the checkpoint.
-    "lm-loop-adam": dict(
-        task="lm",
-        model_options={"units": 8, "layers": 1, "dropout": 0.0},
-        batch_size=2,
-        task_options={"bptt": 5},
-        epochs=2,
-        optimizer="adam",
-        lr=0.01,
-        betas=(0.9, 0.999),
-        adam_correction=True,
-    ),
+    "lm-loop-adam": dict(LM_LOOP, optimizer="adam", lr=0.01, betas=(0.9, 0.999),
+                         adam_correction=True),  # fmt: skip
     # CIFAR: augmentation (RNG), momentum, warm-up; DDP's hook state. The model fits in one
     # DDP bucket: the hook's per-bucket message capacity makes a step depend on how DDP
     # grouped the parameters, and a fresh DDP model groups them differently in its first step.

@@ -183,7 +183,7 @@ class Fixed(Framing):
         self.dtype = index_dtype(numel)
         self.base = capacity if base is None else base
         self._message: torch.Tensor | None = None
-        self._overflow = torch.empty(0, dtype=self.dtype)
+        self._overflow: torch.Tensor | None = None
         self._decoder = _Positions()
         self.resize(capacity)
 
@@ -226,7 +226,8 @@ class Fixed(Framing):
 
     def _overflow_buffer(self, device: torch.device) -> torch.Tensor:
         extra = self.capacity - self.base
-        if self._overflow.numel() < extra or self._overflow.device != device:
+        overflow = self._overflow
+        if overflow is None or overflow.numel() < extra or overflow.device != device:
             self._overflow = torch.empty(extra, dtype=self.dtype, device=device)
         return self._overflow[:extra]
 

@@ -189,10 +189,10 @@ class SparseState:
     def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's Adam moments (m, v) of ``param`` with Adam correction (flat; do not
         modify), else None."""
-        if self._binding is None or self.adam is None:
-            return None
+        self.residual(param)  # raises if not met yet
+        assert self._binding is not None
         memory = self._binding.slabs.memory(param)
-        return None if memory is None else (memory[1], memory[2])
+        return (memory[1], memory[2]) if memory is not None and self.adam is not None else None
 
     @property
     def rank(self) -> int | None:
