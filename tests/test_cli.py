@@ -149,6 +149,7 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--capture-gradients", "x"], "--capture-gradients"),
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--adam-correction"], "--adam-correction"),  # the MNIST recipe is SGD
+        (["--task", "lm", "--optimizer", "adam", "--adam-correction"], "--adam-correction"),
         (["--decay-epochs", "a"], "--decay-epochs"),
         (["--ddp-hook", "fp16"], "--ddp-hook"),  # a DDP hook needs --integration ddp
         (["--integration", "ddp", "--ddp-hook", "topk"], "--ddp-hook"),

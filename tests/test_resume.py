@@ -26,7 +26,7 @@ LM_LOOP = dict(
 SCENARIOS = {
     "lm-loop": LM_LOOP,
     # Adam correction: every worker's Adam moments, through the checkpoint.
-    "lm-loop-adam": dict(LM_LOOP, optimizer="adam", lr=0.01, betas=(0.9, 0.999),
+    "lm-loop-adam": dict(LM_LOOP, optimizer="adam", lr=0.01, betas=(0.9, 0.999), clip=0.0,
                          adam_correction=True),  # fmt: skip
     # CIFAR: augmentation (RNG), momentum, warm-up; DDP's hook state. The model fits in one
     # DDP bucket: the hook's per-bucket message capacity makes a step depend on how DDP

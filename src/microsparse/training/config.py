@@ -178,6 +178,12 @@ class TrainConfig:
                 "decay",
             )
             _require(
+                not self.clip,
+                "adam_correction",
+                "the averaged values are Adam steps, and --clip would cap their norm instead of "
+                "the gradients': train with --clip 0",
+            )
+            _require(
                 self.sparsifier != "dense" and self.ddp_hook == "microsparse",
                 "adam_correction",
                 "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
