@@ -156,8 +156,6 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--ddp-hook", "powersgd(rnk=2)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(buckets=default)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(start=1)"], "--ddp-hook"),
-        (["--integration", "ddp", "--ddp-hook", "powersgd", "--checkpoint-every", "2"],
-         "--ddp-hook"),  # fmt: skip
     ],
 )
 def test_bad_option_exits_2_naming_the_option(args, option, capsys, tmp_path):

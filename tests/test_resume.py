@@ -28,6 +28,9 @@ SCENARIOS = {
     # Adam correction: every worker's Adam moments, through the checkpoint.
     "lm-loop-adam": dict(LM_LOOP, optimizer="adam", lr=0.01, betas=(0.9, 0.999), clip=0.0,
                          adam_correction=True),  # fmt: skip
+    # torch's PowerSGD hook: its error feedback, warm-start factors and RNG, saved after it
+    # began to compress (step 3) and restored.
+    "lm-ddp-powersgd": dict(LM_LOOP, integration="ddp", ddp_hook="powersgd(rank=1,start=3)"),
     # CIFAR: augmentation (RNG), momentum, warm-up; DDP's hook state. The model fits in one
     # DDP bucket: the hook's per-bucket message capacity makes a step depend on how DDP
     # grouped the parameters, and a fresh DDP model groups them differently in its first step.

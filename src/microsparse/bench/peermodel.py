@@ -112,22 +112,37 @@ def peer_bytes(name: str, shapes: Sequence[Shape], world_size: int) -> int:
     )
 
 
+def powersgd_factors(
+    shape: Shape, rank: int, min_compression_rate: float = MIN_COMPRESSION_RATE
+) -> tuple[int, int] | None:
+    """Entries of P and Q for a parameter of ``shape``, or None where torch's hook sends it
+    uncompressed: it views the tensor as rows = shape[0] by the rest, keeps r = min(rows, cols,
+    rank) and compresses only if (rows + cols)·r·``min_compression_rate`` < rows·cols.
+
+    Example:
+        >>> powersgd_factors((64, 3, 3, 3), rank=4), powersgd_factors((10,), rank=4)
+        ((256, 108), None)
+        >>> powersgd_factors((2, 128), rank=4)  # r = 2: (2 + 128)·2·2 < 256 fails
+    """
+    if len(shape) == 0:
+        return None
+    rows = shape[0]
+    cols = math.prod(shape[1:])
+    kept = min(rows, cols, rank)
+    if (rows + cols) * kept * min_compression_rate < rows * cols:
+        return rows * kept, cols * kept
+    return None
+
+
 def _powersgd_entries(shapes: Sequence[Shape], rank: int) -> tuple[int, int, int]:
     raw = ps = qs = 0
     for shape in shapes:
-        rows, cols = _matrix(shape)
-        if rows and (rows + cols) * rank * MIN_COMPRESSION_RATE < rows * cols:
-            kept = min(rows, cols, rank)
-            ps, qs = ps + rows * kept, qs + cols * kept
-        else:
+        factors = powersgd_factors(shape, rank)
+        if factors is None:
             raw += math.prod(shape)
+        else:
+            ps, qs = ps + factors[0], qs + factors[1]
     return raw, ps, qs
-
-
-def _matrix(shape: Shape) -> tuple[int, int]:
-    if len(shape) <= 1:
-        return 0, 0
-    return shape[0], math.prod(shape[1:])
 
 
 def scaled_shapes(shapes: Sequence[Shape], numel: int) -> list[tuple[int, ...]]:
@@ -137,7 +152,7 @@ def scaled_shapes(shapes: Sequence[Shape], numel: int) -> list[tuple[int, ...]]:
     factor = math.sqrt(numel / total)
     scaled = []
     for shape in shapes:
-        rows, cols = _matrix(shape)
+        rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (0, 0)
         if rows:
             scaled.append((max(1, round(rows * factor)), max(1, round(cols * factor))))
         else:
@@ -191,10 +206,12 @@ def _powersgd_step(
 
     work = []
     for shape, grad in zip(shapes, grads):
-        rows, cols = _matrix(shape)
-        if rows and (rows + cols) * rank * MIN_COMPRESSION_RATE < rows * cols:
-            kept = min(rows, cols, rank)
-            matrix = grad.view(rows, cols)
+        factors = powersgd_factors(shape, rank)
+        if factors is not None:
+            rows = shape[0]
+            kept = factors[0] // rows
+            matrix = grad.view(rows, -1)
+            cols = matrix.shape[1]
             q = torch.randn(cols, kept, generator=generator)
             work.append((matrix, torch.zeros_like(matrix), q))
 

@@ -123,10 +123,14 @@ def _arguments(name: str, text: str) -> dict[str, str]:
     return dict(pairs)  # type: ignore[arg-type]
 
 
-def attach(method: Method, model: nn.Module, density: float, start: int) -> tuple[nn.Module, Any]:
+def attach(
+    method: Method, model: nn.Module, density: float, start: int, checkpointable: bool = False
+) -> tuple[nn.Module, Any]:
     """Wrap ``model`` for a DDP method and register its hook; returns (module to train, the
     hook's state or None). ``start`` is the step from which PowerSGD compresses, unless the
-    name sets its own."""
+    name sets its own. ``checkpointable`` runs torch's PowerSGD hook through
+    :class:`microsparse.bench.powersgd.PowerSGD`, whose state a checkpoint can save and
+    restore; the benchmarks leave it off to time torch's hook as users get it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
@@ -146,6 +150,11 @@ def attach(method: Method, model: nn.Module, density: float, start: int) -> tupl
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method.sparsifier == "bf16":
         ddp.register_comm_hook(None, bfloat16_hook)
+    elif method.sparsifier == "powersgd" and checkpointable:
+        from microsparse.bench.powersgd import PowerSGD
+
+        state = PowerSGD(model.parameters(), method.rank, method.compresses_from(start))
+        state.attach(ddp)
     elif method.sparsifier == "powersgd":
         state = powersgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=method.rank,
@@ -182,3 +191,4 @@ def modelled_bytes(method: Method, model: nn.Module, world_size: int) -> int | N
         return None
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     return peermodel.peer_bytes(method.name, shapes, world_size)
+

@@ -2,9 +2,10 @@
 
 - ``shared.pt`` (rank 0): model parameters and buffers, optimiser state, the data position
   (epoch, batch within it, steps done), the run's seconds so far and its config;
-- ``rank{r}.pt`` (every rank): the averaging state (``GradientReducer.state_dict()`` or the
-  DDP hook state's), the RNG states, the model's buffers on that rank (batch-norm statistics
-  differ between ranks) and what the epoch carries between steps (an LSTM's hidden state);
+- ``rank{r}.pt`` (every rank): the averaging state (``GradientReducer.state_dict()``, the
+  DDP hook state's, or PowerSGD's: :class:`microsparse.bench.powersgd.PowerSGD`), the RNG
+  states, the model's buffers on that rank (batch-norm statistics differ between ranks) and
+  what the epoch carries between steps (an LSTM's hidden state);
 - ``meta.json``: the position and config, for people and for ``microsparse train --resume``.
 
 Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(...,

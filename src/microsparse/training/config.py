@@ -231,12 +231,6 @@ def _check_peer(config: TrainConfig) -> None:
         "are chained on gloo's threads and ranks may issue them in different orders); use "
         "powersgd, which gives it one bucket",
     )
-    _require(
-        not (config.checkpointing and method.sparsifier == "powersgd"),
-        "ddp_hook",
-        "powersgd keeps state (error feedback, warm start) that checkpoints do not save; "
-        "train without --checkpoint-every, or with --ddp-hook microsparse",
-    )
 
 
 def config_from_file(path: str | Path) -> dict[str, Any]:

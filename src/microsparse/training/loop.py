@@ -198,14 +198,14 @@ class Averaging:
 
     def state_dict(self) -> dict[str, Any]:
         if self._peer is not None:
-            return {"steps": self._peer.steps}  # stateless hooks (config refuses powersgd)
+            return self._peer.state_dict()
         source = self._reducer if self._reducer is not None else self._state
         assert source is not None
         return source.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._peer is not None:
-            self._peer.steps = int(state["steps"])
+            self._peer.load_state_dict(state)
             return
         source = self._reducer if self._reducer is not None else self._state
         assert source is not None
@@ -225,7 +225,8 @@ class PeerAveraging:
     PowerSGD runs as ``bench.peers.attach`` sets it up: one bucket holding the whole model
     (torch's hook raced on gloo with DDP's buckets), a plain all-reduce for the first
     ``POWERSGD_START`` steps or the name's ``start=`` (counted as dense bytes) and compression
-    from then on.
+    from then on, its state kept per parameter so that checkpoints resume it
+    (:class:`microsparse.bench.powersgd.PowerSGD`).
     """
 
     def __init__(self, model: nn.Module, name: str) -> None:
@@ -233,7 +234,8 @@ class PeerAveraging:
 
         self.name = name
         method = peers.parse(name)
-        self.model, _ = peers.attach(method, model, density=1.0, start=POWERSGD_START)
+        self.model, self._powersgd = peers.attach(method, model, density=1.0,
+                                                  start=POWERSGD_START, checkpointable=True)
         powersgd = method.sparsifier == "powersgd"
         self._start = method.compresses_from(POWERSGD_START) if powersgd else 0
         self.steps = 0
@@ -242,6 +244,18 @@ class PeerAveraging:
         self._world_size = dist.get_world_size()
         self._bytes = peermodel.peer_bytes(name, shapes, self._world_size)
         self._dense = all_reduce_bytes(4 * self._numel, self._world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and PowerSGD's state (the other hooks keep none)."""
+        state: dict[str, Any] = {"steps": self.steps}
+        if self._powersgd is not None:
+            state["powersgd"] = self._powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        if self._powersgd is not None:
+            self._powersgd.load_state_dict(state["powersgd"])
 
     def step(self) -> StepStats:
         d, n = self._numel, self._world_size
