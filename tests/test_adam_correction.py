@@ -23,7 +23,13 @@ def test_the_residual_accumulates_each_workers_bias_corrected_adam_step() -> Non
         generator = np.random.default_rng(0)
         for step in range(6):
             g = generator.normal(size=5)
-            memory.compensate([torch.tensor(g[:3]), torch.tensor(g[3:])], step)
+            if step == 4:  # an unused parameter: no gradient, counted as zero
+                g[3:] = 0
+                memory.compensate([torch.tensor(g[:3]), None], step)
+            elif step % 2:  # a slab's gradient as one flat tensor
+                memory.compensate(torch.tensor(g), step)
+            else:
+                memory.compensate([torch.tensor(g[:3]), torch.tensor(g[3:])], step)
             b1, b2, eps = BETAS
             m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
             t = step + 1

@@ -152,8 +152,7 @@ class ErrorFeedback:
         beta1, beta2, eps = self.adam
         (first, first_out), (second, second_out) = self._moments
         g = self._scratch
-        g.data.zero_()
-        _add_into([g, g], fresh)
+        _copy_into(g, fresh)
         torch.lerp(first.data, g.data, 1.0 - beta1, out=first_out.data)
         torch.mul(second.data, beta2, out=second_out.data)
         second_out.data.addcmul_(g.data, g.data, value=1.0 - beta2)
@@ -191,6 +190,18 @@ def check_adam(adam: Sequence[float]) -> tuple[float, float, float]:
             f"got {adam!r}"
         )
     return beta1, beta2, eps
+
+
+def _copy_into(target: FlatVector, fresh: Fresh) -> None:
+    """target ← fresh in one pass; ``None`` counts as 0."""
+    if isinstance(fresh, torch.Tensor):
+        target.data.copy_(fresh.view(-1))
+        return
+    for view, g in zip(target.views, fresh):
+        if g is None:
+            view.zero_()
+        else:
+            view.copy_(g)
 
 
 def _add_into(pair: list[FlatVector], fresh: Fresh, scale: float = 1.0) -> None:
