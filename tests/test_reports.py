@@ -253,3 +253,26 @@ def test_seed_study_pairs_the_seeds_and_reports_gaps_in_points_or_per_cent(tmp_p
     assert "no runs of nope" in capsys.readouterr().err
     assert main(["report", "--seeds", str(tmp_path / "nothing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_seed_study_compares_another_recorded_metric_such_as_the_training_loss(tmp_path, capsys):
+    lm = tmp_path / "lm"
+    for name, losses in (("dense", [6.5, 6.2]), ("micro", [6.45, 6.26])):
+        run = lm / name / "seed-1"
+        write_seed(run, name, "valid_perplexity", [400.0, 380.0], 1)
+        records = [json.loads(line) for line in (run / "epochs.jsonl").read_text().splitlines()]
+        for record, loss in zip(records, losses):
+            record["train_loss"] = loss
+        (run / "epochs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", "--seeds", str(lm), "--at", "1,2", "--metric", "train_loss",
+                 "--no-plots"]) == 0  # fmt: skip
+    micro = next(line for line in (lm / "quality.md").read_text().splitlines()
+                 if line.startswith("| micro"))  # fmt: skip
+    cells = [cell.strip() for cell in micro.strip("|").split("|")]
+    assert cells[3:] == ["6.45 (-0.050 nat; -0.050…-0.050)", "6.26 (+0.060 nat; +0.060…+0.060)"]
+    assert main(["report", "--seeds", str(lm), "--metric", "hr@10", "--no-plots"]) == 2
+    assert "records no 'hr@10'" in capsys.readouterr().err
+    assert main(["report", "--seeds", str(lm), "--metric", "loss"]) == 2
+    assert "metric must be one of" in capsys.readouterr().err
+    assert main(["report", str(lm / "micro" / "seed-1"), "--metric", "train_loss"]) == 2
+    assert "only with --seeds" in capsys.readouterr().err

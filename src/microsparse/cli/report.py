@@ -72,6 +72,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="with --seeds: also compare the mean over these epochs (e.g. 16,20)",
     )
     add(
+        "--metric",
+        default=None,
+        metavar="NAME",
+        help="with --seeds: compare this per-epoch record instead of the task's metric, e.g. "
+        "train_loss (gaps in nats)",
+    )
+    add(
         "--tensorboard",
         metavar="LOGDIR",
         default=None,
@@ -87,6 +94,8 @@ def _epochs(text: str) -> tuple[int, ...]:
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.seeds:
         return _report_seeds(args, parser)
+    if args.metric is not None:
+        return fail(parser, "argument --metric: only with --seeds")
     if args.out is None and len(args.run_dirs) > 1:
         return fail(parser, "argument --out: required when more than one RUN_DIR is given")
     if args.tensorboard and not tensorboard.tensorboard_available():
@@ -108,7 +117,7 @@ def _report_seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if args.window is not None and (len(args.window) != 2 or args.window[0] > args.window[1]):
         return fail(parser, "argument --window: expected FIRST,LAST with FIRST <= LAST")
     try:
-        variants = seeds.load_study(args.run_dirs[0])
+        variants = seeds.load_study(args.run_dirs[0], args.metric)
         if args.variants is not None:
             wanted = {"dense", *args.variants.split(",")}
             unknown = wanted - {v.name for v in variants} - {"dense"}

@@ -31,6 +31,7 @@ KNOWN_METRICS: dict[str, bool] = {
     "ndcg@10": True,
     "test_loss": False,
     "valid_loss": False,
+    "train_loss": False,
 }
 """Metric names in order of preference, each with "higher is better"."""
 

@@ -4,7 +4,9 @@ A study directory holds one subdirectory per variant (a sparsifier with its opti
 each one run directory per seed (``STUDY/VARIANT/seed-S``, as ``microsparse train --out``
 wrote it). The table compares each variant with the reference variant (``dense``) seed by
 seed: in points for a metric where higher is better (accuracy), in per cent of the
-reference's value where lower is better (perplexity).
+reference's value where lower is better (perplexity), and in nats for a loss (a gap of g
+nats in cross-entropy is a factor e^g in perplexity). The metric is the task's unless
+``load_study`` is given another recorded per epoch, such as ``train_loss``.
 
 Example:
     >>> from microsparse.reports.seeds import load_study, gap_table
@@ -15,12 +17,20 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from statistics import fmean
 
-from microsparse.reports.runs import Metric, Run, RunError, find_runs, load_run
+from microsparse.reports.runs import (
+    EPOCHS_FILE,
+    KNOWN_METRICS,
+    Metric,
+    Run,
+    RunError,
+    find_runs,
+    load_run,
+)
 
 
 @dataclass(frozen=True)
@@ -66,9 +76,12 @@ class Variant:
         return self.runs[0].density
 
 
-def load_study(root: str | Path) -> list[Variant]:
+def load_study(root: str | Path, metric: str | None = None) -> list[Variant]:
     """Every variant directory under ``root`` that holds finished runs (sorted by name, with
-    ``dense`` first)."""
+    ``dense`` first), compared by ``metric`` (a name of ``KNOWN_METRICS`` recorded in every
+    run's ``epochs.jsonl``; default: each run's task metric)."""
+    if metric is not None and metric not in KNOWN_METRICS:
+        raise RunError(f"metric must be one of {', '.join(KNOWN_METRICS)}; got {metric!r}")
     root = Path(root)
     if not root.is_dir():
         raise RunError(f"{root} is not a directory")
@@ -80,6 +93,8 @@ def load_study(root: str | Path) -> list[Variant]:
             continue
         runs = [load_run(path) for path in paths]
         runs = [run for run in runs if run.summary is not None]
+        if metric is not None:
+            runs = [_compared_by(run, metric) for run in runs]
         if runs:
             runs.sort(key=lambda run: int(run.config.get("seed", 0)))
             variants.append(Variant(directory.name, runs))
@@ -89,9 +104,20 @@ def load_study(root: str | Path) -> list[Variant]:
     return variants
 
 
+def _compared_by(run: Run, name: str) -> Run:
+    if not any(name in record for record in run.epochs):
+        raise RunError(f"{run.path / EPOCHS_FILE} records no {name!r}")
+    return replace(run, metric=Metric(name, KNOWN_METRICS[name]))
+
+
+def _is_loss(metric: Metric) -> bool:
+    return metric.name.endswith("_loss")
+
+
 def gaps(variant: Variant, reference: Variant, values: str, *args: int) -> list[float] | None:
     """Per-seed gap of ``variant`` to ``reference`` (paired by seed) for ``values`` ("at" or
-    "window"): points (× 100) where higher is better, else per cent of the reference."""
+    "window"): points (× 100) where higher is better, nats for a loss, else per cent of the
+    reference."""
     mine = getattr(variant, values)(*args)
     theirs = {seed: v for seed, v in zip(reference.seeds, getattr(reference, values)(*args) or [])}
     if mine is None or any(seed not in theirs for seed in variant.seeds):
@@ -99,6 +125,8 @@ def gaps(variant: Variant, reference: Variant, values: str, *args: int) -> list[
     pairs = [(m, theirs[seed]) for m, seed in zip(mine, variant.seeds)]
     if variant.metric.higher_is_better:
         return [100 * (m - r) for m, r in pairs]
+    if _is_loss(variant.metric):
+        return [m - r for m, r in pairs]
     return [100 * (m / r - 1) for m, r in pairs]
 
 
@@ -114,7 +142,8 @@ def gap_table(
     base = next((v for v in variants if v.name == reference), None)
     if base is None:
         raise RunError(f"the study has no {reference!r} variant to compare with")
-    unit = "pt" if base.metric.higher_is_better else "%"
+    unit = "pt" if base.metric.higher_is_better else "nat" if _is_loss(base.metric) else "%"
+    digits = 3 if unit == "nat" else 1
     columns = [f"epoch {epoch}" for epoch in at]
     if window is not None:
         columns.append(f"mean of epochs {window[0]}–{window[1]}")
@@ -135,7 +164,8 @@ def gap_table(
             if variant is not base:
                 gap = gaps(variant, base, values, *args)
                 if gap is not None:
-                    text += f" ({fmean(gap):+.1f} {unit}; {min(gap):+.1f}…{max(gap):+.1f})"
+                    text += (f" ({fmean(gap):+.{digits}f} {unit}; "
+                             f"{min(gap):+.{digits}f}…{max(gap):+.{digits}f})")  # fmt: skip
             cells.append(text)
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
