@@ -237,9 +237,11 @@ def test_seed_study_pairs_the_seeds_and_reports_gaps_in_points_or_per_cent(tmp_p
     micro = next(line for line in table.splitlines() if line.startswith("| micro"))
     cells = [cell.strip() for cell in micro.strip("|").split("|")]
     assert cells[1] == "1,2"  # in seed order, whatever the directories' order
-    assert cells[3] == "0.45 (-10.0 pt; -10.0…-10.0)"
-    assert cells[4] == "0.825 (-2.5 pt; -5.0…+0.0)"  # paired by seed: −5 and 0 points
-    assert cells[5] == "0.6375 (-6.2 pt; -7.5…-5.0)"
+    selected = [10 + step % 3 for step in range(2 * STEPS_PER_EPOCH)]  # as write_run records
+    assert cells[3] == f"{8 * sum(selected) / len(selected):,.0f}"  # 8 bytes an entry there
+    assert cells[4] == "0.45 (-10.0 pt; -10.0…-10.0)"
+    assert cells[5] == "0.825 (-2.5 pt; -5.0…+0.0)"  # paired by seed: −5 and 0 points
+    assert cells[6] == "0.6375 (-6.2 pt; -7.5…-5.0)"
     assert (study / "quality.png").stat().st_size > 0
 
     lm = tmp_path / "lm"
@@ -269,7 +271,7 @@ def test_seed_study_compares_another_recorded_metric_such_as_the_training_loss(t
     micro = next(line for line in (lm / "quality.md").read_text().splitlines()
                  if line.startswith("| micro"))  # fmt: skip
     cells = [cell.strip() for cell in micro.strip("|").split("|")]
-    assert cells[3:] == ["6.45 (-0.050 nat; -0.050…-0.050)", "6.26 (+0.060 nat; +0.060…+0.060)"]
+    assert cells[4:] == ["6.45 (-0.050 nat; -0.050…-0.050)", "6.26 (+0.060 nat; +0.060…+0.060)"]
     assert main(["report", "--seeds", str(lm), "--metric", "hr@10", "--no-plots"]) == 2
     assert "records no 'hr@10'" in capsys.readouterr().err
     assert main(["report", "--seeds", str(lm), "--metric", "loss"]) == 2

@@ -70,6 +70,11 @@ class Variant:
         """K/d over every step of every seed's run, a warm-up included."""
         return fmean(run.mean("selected") / run.parameters for run in self.runs)
 
+    def mean_bytes(self) -> float:
+        """Bytes one rank sent per step, over every step of every seed's run: with 16-bit
+        values an entry costs fewer bytes, so equal density is not equal traffic."""
+        return fmean(run.mean("bytes_sent") for run in self.runs)
+
     @property
     def target_density(self) -> float:
         """δ, the density the variant's runs aimed at after any warm-up."""
@@ -136,9 +141,9 @@ def gap_table(
     window: tuple[int, int] | None = None,
     reference: str = "dense",
 ) -> str:
-    """A Markdown table: each variant's mean density over the run (warm-up included), and its
-    mean metric and mean gap (range over seeds) at each epoch of ``at`` and over the epochs
-    of ``window``."""
+    """A Markdown table: each variant's mean density over the run (warm-up included) and bytes
+    sent per step, and its mean metric and mean gap (range over seeds) at each epoch of ``at``
+    and over the epochs of ``window``."""
     base = next((v for v in variants if v.name == reference), None)
     if base is None:
         raise RunError(f"the study has no {reference!r} variant to compare with")
@@ -147,14 +152,15 @@ def gap_table(
     columns = [f"epoch {epoch}" for epoch in at]
     if window is not None:
         columns.append(f"mean of epochs {window[0]}–{window[1]}")
-    header = ["variant", "seeds", "mean density K/d"] + columns
+    header = ["variant", "seeds", "mean density K/d", "bytes/step"] + columns
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
     queries = [("at", (epoch,)) for epoch in at]
     if window is not None:
         queries.append(("window", window))
     for variant in variants:
         cells = [variant.name, ",".join(map(str, variant.seeds)),
-                 "1" if variant is base else f"{variant.mean_density():.3g}"]  # fmt: skip
+                 "1" if variant is base else f"{variant.mean_density():.3g}",
+                 f"{variant.mean_bytes():,.0f}"]  # fmt: skip
         for values, args in queries:
             own = getattr(variant, values)(*args)
             if own is None:
@@ -200,8 +206,8 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
     axes.set_xlabel("epoch")
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.set_ylabel(variants[0].metric.name.replace("_", " "))
-    if not variants[0].metric.higher_is_better:
-        axes.set_yscale("log")
+    if not variants[0].metric.higher_is_better and not _is_loss(variants[0].metric):
+        axes.set_yscale("log")  # perplexity: ratios matter; a loss is already a logarithm
     axes.set_title(title or f"mean of {len(variants[0].runs)} seeds (band: lowest to highest); "
                    f"in brackets: mean density; dashed: over {budget:.2g}")  # fmt: skip
     axes.grid(alpha=0.3)
