@@ -11,6 +11,7 @@ import torch
 
 from microsparse.cli import build_parser, main
 from microsparse.cli.train import _config as config_of
+from microsparse.comm.collectives import all_reduce_bytes
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 STEP_FIELDS = {
@@ -90,6 +91,26 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert (meta["step"], meta["epoch"], meta["batch"], meta["world_size"]) == (8, 0, 8, 2)
 
 
+def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
+    records = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        extra = [] if dtype == "float32" else ["--value-dtype", dtype]
+        result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
+                         "--no-progress", "--out", str(out), *extra)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[dtype] = [json.loads(line) for line in lines]
+    for wide, narrow in zip(records["float32"], records["bfloat16"]):
+        assert wide["selected"] == narrow["selected"] > 0  # quotas: k every step
+        # The same index message; the value all-reduce carries 2 bytes an entry, not 4.
+        k = wide["selected"]
+        saved = all_reduce_bytes(4 * k, 2) - all_reduce_bytes(2 * k, 2)
+        assert wide["bytes_sent"] - narrow["bytes_sent"] == saved
+    summary = json.loads((tmp_path / "bfloat16" / "summary.json").read_text())
+    assert summary["config"]["value_dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)", "powersgd(rank=2,start=3)"])
 def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
@@ -149,6 +170,8 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--capture-gradients", "x"], "--capture-gradients"),
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--adam-correction"], "--adam-correction"),  # the MNIST recipe is SGD
+        (["--value-dtype", "int8"], "--value-dtype"),
+        (["--sparsifier", "dense", "--value-dtype", "float16"], "--value-dtype"),
         (["--task", "lm", "--optimizer", "adam", "--adam-correction"], "--adam-correction"),
         (["--decay-epochs", "a"], "--decay-epochs"),
         (["--ddp-hook", "fp16"], "--ddp-hook"),  # a DDP hook needs --integration ddp
@@ -253,6 +276,8 @@ def test_config_file_is_between_the_recipe_and_the_command_line(tmp_path):
     assert options.model_options["units"] == 16 and options.task_options["bptt"] == 7
     epochwise = parsed_config("--checkpoint-every", "epoch", "--decay-epochs", "3,5")
     assert epochwise.checkpoint_per_epoch and epochwise.decay_epochs == (3, 5)
+    assert parsed_config("--task", "recommendation").adam_correction  # on where it applies
+    assert not parsed_config("--task", "recommendation", "--no-adam-correction").adam_correction
 
 
 def test_a_bad_value_from_the_config_file_names_the_file(capsys, tmp_path):

@@ -53,9 +53,10 @@ SCENARIOS = {
         momentum_correction=True,
         density_warmup=(0.2, 1.0),
     ),
-    # NeuMF: dropout, Adam's moments, negatives drawn per epoch.
+    # NeuMF: dropout, the optimiser's Adam moments, negatives drawn per epoch.
     "recommendation-loop": dict(
         task="recommendation",
+        adam_correction=False,
         model_options={"factors": 4, "mlp": [8, 4], "dropout": 0.5},
         batch_size=8,
         epochs=2,

@@ -181,7 +181,28 @@ def test_sgd_has_nesterov_and_no_weight_decay_on_batch_norm():
 
 
 def test_adam_takes_the_recipes_betas():
-    config = TrainConfig(task="recommendation").resolved()
+    config = TrainConfig(task="recommendation", adam_correction=False).resolved()
     optimizer = build_optimizer(NeuMF(3, 4, 2, (4, 2)), config)
     assert isinstance(optimizer, torch.optim.Adam)
     assert optimizer.param_groups[0]["betas"] == (0.25, 0.9949)
+
+
+@pytest.mark.parametrize(
+    "options, on",
+    [
+        ({"task": "recommendation"}, True),  # the Adam recipe: Adam moves into the feedback
+        ({"task": "recommendation", "adam_correction": False}, False),
+        ({"task": "recommendation", "sparsifier": "dense"}, False),  # no error feedback
+        ({"task": "recommendation", "weight_decay": 1e-4}, False),  # it cannot run then
+        ({"task": "recommendation", "integration": "ddp"}, True),
+        ({"task": "recommendation", "integration": "ddp", "ddp_hook": "fp16"}, False),
+        ({"task": "lm", "optimizer": "adam"}, False),  # the recipe clips
+        ({"task": "mnist"}, False),  # SGD
+    ],
+)
+def test_adam_correction_is_on_by_default_where_it_applies(options, on):
+    config = TrainConfig(**options).resolved()
+    assert config.adam_correction is on
+    optimizer = build_optimizer(NeuMF(3, 4, 2, (4, 2)), config)
+    expected = torch.optim.Adam if config.optimizer == "adam" and not on else torch.optim.SGD
+    assert type(optimizer) is expected

@@ -25,6 +25,7 @@ from microsparse.sparsifiers.partition import PARTITIONINGS
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
 from microsparse.training.checkpoint import CheckpointError, read_meta, verify_checkpoint
 from microsparse.training.config import (
+    VALUE_DTYPES,
     ConfigError,
     TrainConfig,
     config_from_file,
@@ -121,6 +122,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--partitioning contiguous --index-message padded",
     )
     add(
+        "--value-dtype",
+        choices=VALUE_DTYPES,
+        help="send the selected values in 16 bits: 6 bytes an entry with its 4-byte index "
+        "instead of 8; what rounding takes stays in the residual (default: float32)",
+    )
+    add(
         "--momentum-correction",
         action="store_true",
         default=None,
@@ -129,10 +136,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add(
         "--adam-correction",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="with the recipe's Adam: each worker accumulates its own Adam step in the error "
-        "feedback, and plain SGD applies the sparse average",
+        "feedback, and plain SGD applies the sparse average (default: on for an Adam recipe "
+        "without weight decay or --clip and a sparsifier with error feedback, as the "
+        "recommendation task's)",
     )
     add(
         "--density-warmup",

@@ -163,6 +163,8 @@ class Averaging:
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
         if config.adam_correction:  # the optimiser is then plain SGD at Adam's rate
             options["adam_correction"] = (*config.betas, 1e-8)  # torch's Adam's eps
+        if config.value_dtype is not None:
+            options["value_dtype"] = getattr(torch, config.value_dtype)
         if config.density_warmup is not None:
             start, epochs = config.density_warmup
             options["density_warmup"] = (start, max(1, round(epochs * steps_per_epoch)))
