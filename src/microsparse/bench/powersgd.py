@@ -137,7 +137,8 @@ class PowerSGD:
         self._orders.clear()
 
     def _assemble(self, index: int, order: tuple[int, ...]) -> None:
-        """Bucket ``index``'s state from the pool, if the pool holds all of it."""
+        """Bucket ``index``'s state from the pool, if the pool holds all of it; otherwise the
+        bucket starts afresh, as torch's hook starts a bucket it has not met."""
         pool, state = self._pool, self.torch_state
         factors = self._factors(order)
         if not all(number in pool["error"] for number in order):
