@@ -191,4 +191,3 @@ def modelled_bytes(method: Method, model: nn.Module, world_size: int) -> int | N
         return None
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     return peermodel.peer_bytes(method.name, shapes, world_size)
-
