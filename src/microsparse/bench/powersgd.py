@@ -39,6 +39,10 @@ Pieces = dict[str, dict[int, torch.Tensor]]
 class PowerSGD:
     """torch's ``PowerSGDState`` (error feedback, warm start) for the trainable ``params``,
     whose order numbers them in checkpoints; :meth:`attach` registers the hook on a DDP model.
+
+    Made for one bucket holding the model, as ``train`` runs PowerSGD. With several buckets
+    a regrouping is seen when the first changed bucket arrives, and the buckets that ran
+    before it in that pass are taken apart while their all-reduces may still be in flight.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], rank: int, start: int) -> None:
