@@ -28,7 +28,7 @@ DENSITY = 0.01
 TARGET = max(1, math.floor(DENSITY * NUMEL))  # k = 10
 STEPS = 4  # with n = 4 every rank leads once
 SAGE_SEED = 3
-BASELINES = ["dense", "topk", "cltk", "hard_threshold", "sage", "deft"]
+BASELINES = ["dense", "topk", "cltk", "hard_threshold", "sage", "deft", "oracle"]
 EXCHANGE = {
     "dense": "dense",
     "topk": "union",
@@ -36,6 +36,7 @@ EXCHANGE = {
     "hard_threshold": "union",
     "sage": "union",
     "deft": "padded",
+    "oracle": "shared",
 }
 CASES = [{"name": name, "seed": index} for index, name in enumerate(BASELINES)] + [
     {"name": "topk", "seed": 10, "identical": True},  # all ranks hold the same gradient
@@ -72,7 +73,7 @@ def every_case(rank: int, n: int) -> dict:
     results["dense_bitwise"] = dense_matches_all_reduce(rank, n)
     if n > 1:
         results["nonfinite"] = {
-            name: nonfinite_on_leader(rank, name) for name in ("cltk", "deft", "topk")
+            name: nonfinite_on_leader(rank, name) for name in ("cltk", "deft", "topk", "oracle")
         }
     return results
 
@@ -165,6 +166,11 @@ def cltk_rule(accumulated, t, state):
     leader = t % len(accumulated)
     chosen = top_k(accumulated[leader], TARGET)
     return [chosen for _ in accumulated], {"leader": leader}
+
+
+def oracle_rule(accumulated, t, state):
+    chosen = top_k(sum(accumulated), TARGET)  # the sum of every rank's a
+    return [chosen for _ in accumulated], {}
 
 
 def hard_threshold_rule(accumulated, t, state):
@@ -264,6 +270,7 @@ RULES = {
     "hard_threshold": hard_threshold_rule,
     "sage": sage_rule,
     "deft": deft_rule,
+    "oracle": oracle_rule,
 }
 
 
@@ -306,6 +313,8 @@ def expected_bytes(name: str, n: int, stats, want: dict) -> int:
         return (n - 1) * 8 + values
     if name == "cltk":
         return (n - 1) * 8 + (TARGET * 4 if n > 1 else 0) + values
+    if name == "oracle":  # a dense all-reduce of a, then the [step, count] header
+        return 2 * (n - 1) * NUMEL * 8 // n + (n - 1) * 2 * 8 + values
     longest = max(len(p) for p in want["picks"])
     if name == "deft":  # the plan fixes the counts: no count header
         plan = 2 * want["fragments"] * 4 if n > 1 else 0
@@ -359,9 +368,10 @@ def test_baselines_match_brute_force_references(n: int, tmp_path) -> None:
             previous = residuals
     assert all(rank["dense_bitwise"] for rank in ranks), "dense differs from all_reduce(grad) / n"
     if n > 1:
-        for name in ("cltk", "deft", "topk"):
+        for name in ("cltk", "deft", "topk", "oracle"):
             outcomes = [rank["nonfinite"][name] for rank in ranks]
-            # The leader's (CLT-k) or every rank's own (top-k) picks include the NaN at once;
+            # The leader's (CLT-k), every rank's own (top-k) or the sum's (oracle) picks
+            # include the NaN at once;
             # DEFT sends it when rank 1 owns the bin that holds it.
             raised = {o.split(":")[0] for o in outcomes}
             assert len(raised) == 1 and raised.pop().startswith("raised at step"), outcomes
@@ -387,6 +397,8 @@ def check_rule_specifics(
     elif name == "cltk":
         assert stats.selected == TARGET and stats.local_selected == TARGET, where
         assert stats.extra["leader"] == t % n == want["leader"], where
+    elif name == "oracle":
+        assert stats.selected == TARGET and stats.local_selected == TARGET, where
     elif name == "deft":
         # Every rank sends exactly what the leader's plan gave its bin; bins are disjoint.
         assert stats.local_selected == want["counts"][r], where

@@ -86,6 +86,7 @@ CROSS_CHECK = [
     ("sage", {"seed": 3}),
     ("cltk", {}),
     ("deft", {}),
+    ("oracle", {}),
 ]  # fmt: skip
 
 

@@ -58,7 +58,7 @@ def gradients(n: int, seed: int) -> list[list[np.ndarray]]:
     return [[rng.standard_normal(NUMEL) for _ in range(n)] for _ in range(STEPS)]
 
 
-SPARSIFIERS = ["micro", "topk", "cltk", "deft", "sage", "hard_threshold"]
+SPARSIFIERS = ["micro", "topk", "cltk", "deft", "sage", "hard_threshold", "oracle"]
 
 
 def loop_worker(rank: int, n: int) -> dict:
@@ -87,7 +87,7 @@ def test_every_sparsifier_follows_the_schedule_and_micro_matches_the_reference(n
     for name in SPARSIFIERS:
         for t in range(STEPS):
             assert ranks[0][name][t]["target"] == ks[t], (name, t)
-    for name in ("micro", "cltk"):  # exclusive or planned: exactly k at every step
+    for name in ("micro", "cltk", "oracle"):  # exclusive or shared: exactly k at every step
         assert [step["selected"] for step in ranks[0][name]] == ks, name
     # DEFT rounds each layer's share of k: at most one entry per layer short.
     assert all(0 <= k - s["selected"] <= 3 for k, s in zip(ks, ranks[0]["deft"]))

@@ -36,7 +36,7 @@ from typing import Any
 import microsparse
 from microsparse.bench import netns, peers
 from microsparse.bench.cluster_worker import MODELS, NO_EXCHANGE
-from microsparse.sparsifiers import available_sparsifiers
+from microsparse.sparsifiers import method_sparsifiers
 
 PARTS = ("compute", "wait", "select", "exchange", "other")
 """The split of a step: forward + backward, waiting for the slowest worker, selection (with
@@ -54,7 +54,7 @@ def default_sparsifiers() -> tuple[str, ...]:
         >>> names[0], names[-1], "micro@ddp" in names, "powersgd(rank=4)" in names
         ('dense', 'none', True, True)
     """
-    others = [name for name in available_sparsifiers() if name != "dense"]
+    others = [name for name in method_sparsifiers() if name != "dense"]
     peer_rows = ("ddp", "powersgd", "powersgd(rank=4)", "fp16", "bf16")
     return ("dense", *others, "micro@ddp", *peer_rows, NO_EXCHANGE)
 

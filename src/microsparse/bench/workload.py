@@ -12,7 +12,12 @@ from typing import Any
 import torch
 
 from microsparse.layout import Layout
-from microsparse.sparsifiers import Sparsifier, available_sparsifiers, create_sparsifier
+from microsparse.sparsifiers import (
+    Sparsifier,
+    available_sparsifiers,
+    create_sparsifier,
+    method_sparsifiers,
+)
 
 RESNET18_NUMEL = 11_173_962
 """Parameters of a CIFAR-10 ResNet-18 (the paper's d)."""
@@ -45,7 +50,7 @@ def variants(density: float = 0.001) -> list[Variant]:
         >>> [v.label for v in variants()][:2]
         ['cltk', 'deft']
     """
-    found = [Variant(name, name) for name in available_sparsifiers()]
+    found = [Variant(name, name) for name in method_sparsifiers()]
     if "micro" in available_sparsifiers():
         offered = inspect.signature(type(create_sparsifier("micro", density)).__init__).parameters
         options = {key: value for key, value in REFERENCE_MICRO.items() if key in offered}

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
-from microsparse.comm.framing import Dense, Fixed, Proposal
+from microsparse.comm.framing import Dense, Fixed, Proposal, Shared
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, any_nonfinite
 from microsparse.sparsifiers import Sparsifier
@@ -148,8 +148,8 @@ class SparseStep:
 
         ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none).
         ``exclude`` lists ranges [start, end) of the slab this rank must not propose (the
-        parameters it did not use, whose average DDP would drop); a leader's plan, which fixes
-        every rank's count, is followed as it is.
+        parameters it did not use, whose average DDP would drop); positions that every rank
+        holds alike (a leader's plan, the oracle's sum) are followed as they are.
         """
         self._snapshot = self.sparsifier.state_dict()
         if isinstance(self.framing, Dense):
@@ -162,7 +162,7 @@ class SparseStep:
         accumulated = self.feedback.accumulated
         counts = yield from clock.local(self._pre_selection(accumulated, step))
         local = sparsifier.select(accumulated, step)
-        if exclude and counts is None:  # a plan fixed every rank's count: keep it
+        if exclude and counts is None and not isinstance(self.framing, Shared):
             local = _outside(local, exclude)
         if counts is not None and local.numel() != counts[self.rank]:
             raise RuntimeError(

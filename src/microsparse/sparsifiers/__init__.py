@@ -29,6 +29,17 @@ def available_sparsifiers() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def method_sparsifiers() -> list[str]:
+    """The names of :func:`available_sparsifiers` that are methods to train with, the ones the
+    benchmarks time by default: all but yardsticks such as ``oracle``.
+
+    Example:
+        >>> "oracle" in available_sparsifiers(), "oracle" in method_sparsifiers()
+        (True, False)
+    """
+    return [name for name in available_sparsifiers() if not _REGISTRY[name].yardstick]
+
+
 def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
     """Instantiate a registered sparsifier, with errors that name the bad argument."""
     if not isinstance(name, str) or name not in _REGISTRY:
@@ -53,6 +64,7 @@ from microsparse.sparsifiers import (  # noqa: E402,F401
     dense,
     hard_threshold,
     micro,
+    oracle,
     sage,
     topk,
 )
@@ -61,6 +73,7 @@ __all__ = [
     "Sparsifier",
     "available_sparsifiers",
     "create_sparsifier",
+    "method_sparsifiers",
     "register_sparsifier",
     "validate_density",
 ]
