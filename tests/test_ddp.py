@@ -367,11 +367,11 @@ class SometimesUsed(nn.Module):
         return self.branch(y) if self.use_branch else y
 
 
-def unused_worker(rank: int, n: int) -> dict:
+def unused_worker(rank: int, n: int, name: str) -> dict:
     model = SometimesUsed().double()
     ddp = DDP(model, find_unused_parameters=True)
-    state = mddp.MicroState(density=0.2)
-    ddp.register_comm_hook(state, mddp.micro_hook)
+    state = mddp.SparseState(name, 0.2)
+    ddp.register_comm_hook(state, mddp.sparse_hook)
     generator = torch.Generator().manual_seed(rank)
     frozen_residuals = []
     for step in range(8):
@@ -389,10 +389,13 @@ def unused_worker(rank: int, n: int) -> dict:
     }
 
 
-def test_unused_parameters_keep_their_residual_instead_of_losing_it(tmp_path) -> None:
+@pytest.mark.parametrize("name", ["micro", "cltk", "deft", "oracle"])
+def test_unused_parameters_keep_their_residual_instead_of_losing_it(name, tmp_path) -> None:
     """While the branch is unused on every rank DDP drops its average: nothing of it may be
-    sent, so its residual (left from the steps that used it) must stay exactly as it was."""
-    ranks = run_ranks(unused_worker, 2, tmp_path)
+    sent, so its residual (left from the steps that used it) must stay exactly as it was. A
+    leader's plan (CLT-k, DEFT) or the oracle's sum may still name its positions: every rank
+    then sends 0 there."""
+    ranks = run_ranks(unused_worker, 2, tmp_path, name)
     for result in ranks:
         first = result["frozen"][0]
         assert first.abs().sum() > 0  # the steps that used the branch left a residual

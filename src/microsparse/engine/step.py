@@ -147,9 +147,10 @@ class SparseStep:
         """The requests of step ``step``; returns its :class:`StepReport`.
 
         ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none).
-        ``exclude`` lists ranges [start, end) of the slab this rank must not propose (the
-        parameters it did not use, whose average DDP would drop); positions that every rank
-        holds alike (a leader's plan, the oracle's sum) are followed as they are.
+        ``exclude`` lists ranges [start, end) of the slab that this rank did not use (DDP
+        drops the average of a parameter that no rank used). This rank proposes nothing
+        there; where a leader's plan (CLT-k, DEFT) or the oracle's sum fixes the positions,
+        it sends 0 at those inside the ranges and keeps its residual there.
         """
         self._snapshot = self.sparsifier.state_dict()
         if isinstance(self.framing, Dense):
@@ -162,8 +163,11 @@ class SparseStep:
         accumulated = self.feedback.accumulated
         counts = yield from clock.local(self._pre_selection(accumulated, step))
         local = sparsifier.select(accumulated, step)
-        if exclude and counts is None and not isinstance(self.framing, Shared):
-            local = _outside(local, exclude)
+        # A leader's plan or the oracle's sum fixes what every rank sends: a rank cannot leave
+        # out the parameters it did not use there, so it sends 0 at them instead (below).
+        fixed = counts is not None or isinstance(self.framing, Shared)
+        if exclude and not fixed:
+            local = local[~_inside(local, exclude)]
         if counts is not None and local.numel() != counts[self.rank]:
             raise RuntimeError(
                 f"{sparsifier.name}: rank {self.rank} selected {local.numel()} positions but "
@@ -174,7 +178,9 @@ class SparseStep:
         proposal = Proposal(local, accumulated, step, counts)
         exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
         positions = exchanged.positions
-        values = self._values(positions)
+        # If no rank used a parameter, DDP drops its average: what was sent there would be lost.
+        unused = _inside(positions, exclude) if exclude and fixed else None
+        values = self._values(positions, unused)
         # Known before the sum overwrites them; read only if the sum is not finite.
         mine = values.numel() > 0 and any_nonfinite(values)
         if self.feedback.transactional:  # anything non-finite anywhere fails every rank
@@ -246,16 +252,22 @@ class SparseStep:
             sparsifier.adopt_agreement((yield Collective("all_reduce", proposal, "agreement")))
         return None
 
-    def _values(self, positions: torch.Tensor) -> torch.Tensor:
-        """This rank's accumulated values at ``positions``, as sent; the residual forgets them."""
+    def _values(self, positions: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's accumulated values at ``positions``, as sent; the residual forgets them,
+        except where ``kept`` is true: there it sends 0 and keeps the whole value."""
         accumulated = self.feedback.accumulated
         values = accumulated.index_select(0, positions)
+        sent = positions
+        if kept is not None:
+            values.masked_fill_(kept, 0)
+            sent = positions[~kept]
         if self.value_dtype is None:
-            self.feedback.forget(positions)
+            self.feedback.forget(sent)
             return values
         wire = values.to(self.value_dtype)
         # What rounding took from this rank's values stays behind in its residual.
-        self.feedback.forget(positions, values.sub_(wire))
+        remainder = values.sub_(wire)
+        self.feedback.forget(sent, remainder if kept is None else remainder[~kept])
         return wire
 
     def _dense(self, step: int, fresh: Fresh, output: Output) -> Protocol_:
@@ -293,11 +305,12 @@ class SparseStep:
         )
 
 
-def _outside(positions: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    keep = torch.ones_like(positions, dtype=torch.bool)
+def _inside(positions: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Which of ``positions`` lie in one of the ranges [start, end)."""
+    inside = torch.zeros_like(positions, dtype=torch.bool)
     for start, end in ranges:
-        keep &= (positions < start) | (positions >= end)
-    return positions[keep]
+        inside |= (positions >= start) & (positions < end)
+    return inside
 
 
 def _single(request: Collective) -> Generator[Collective, torch.Tensor, torch.Tensor]:
