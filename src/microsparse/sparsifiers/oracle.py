@@ -20,11 +20,10 @@ class Oracle(Sparsifier):
     all-reduce of a before selecting, so it costs more bytes than dense averaging itself
     (``StepStats.bytes_sent`` counts them): it is a yardstick for the training-quality
     study, the accuracy a selection of k positions can reach at all, not a method to train
-    with. Every rank selects the same k positions (the sum is the same on every rank), so
-    the aggregated gradient has exactly k entries and each residual keeps the rest. Like
-    CLT-k's plan, the positions are followed whole in the DDP hook: with
-    ``find_unused_parameters`` they may fall on a parameter no rank used this step, whose
-    average DDP then drops.
+    with. Every rank selects the same k positions (an all-reduce leaves the same sum on
+    every rank, in gloo and NCCL alike), so the aggregated gradient has exactly k entries
+    and each residual keeps the rest. In the DDP hook with ``find_unused_parameters``, a
+    rank sends 0 at the positions of parameters it did not use and keeps its residual there.
 
     Example:
         >>> import torch
