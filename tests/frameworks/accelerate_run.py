@@ -72,6 +72,10 @@ def main() -> None:
     params = [p.detach() for p in accelerator.unwrap_model(model).parameters()]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(params, out / f"params-rank{accelerator.process_index}.pt")
+    # Tear the group down before exit: gloo's threads, left running into the interpreter's
+    # exit, now and then abort the process ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
