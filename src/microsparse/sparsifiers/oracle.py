@@ -53,7 +53,8 @@ class Oracle(Sparsifier):
 
     def adopt_agreement(self, total: torch.Tensor) -> None:
         # A NaN or Inf in any rank's a is in the sum, is taken first, and fails the step.
-        self._positions = torch.topk(total.abs(), self.target, sorted=False).indices
+        # The sum is this step's only; its magnitude can take its place (no allocation).
+        self._positions = torch.topk(total.abs_(), self.target, sorted=False).indices
 
     def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         return self._positions
