@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,7 +85,9 @@ def test_a_worker_killed_under_torchrun_resumes_exactly(tmp_path) -> None:
     first = _elastic_run(whole, kill_after=None)
     assert "no checkpoint in" in first and "starting a fresh run" in first
     restarted = _elastic_run(broken, kill_after=10)
-    assert "exitcode: -9" in restarted  # a worker really died and torchrun restarted the job
+    # A worker really died and torchrun restarted the job. torchrun names the first failed
+    # worker it finds: rank 1 (SIGKILL, -9) or rank 0, which may abort (-6) on the lost peer first.
+    assert re.search(r"failed \(exitcode: -(9|6)\) local_rank: [01]", restarted), restarted[-2000:]
     steps = [json.loads(line)["step"] for line in open(broken / "metrics.jsonl")]
     assert steps == list(range(24))
     expected = read_part(whole / "checkpoint" / "shared.pt")["model"]
