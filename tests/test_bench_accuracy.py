@@ -36,6 +36,8 @@ def test_each_method_becomes_the_train_options_that_mean_it():
     [
         ({"methods": ("micro", "fp16")}, "must include dense"),
         ({"methods": ("dense", "none")}, "'none' trains no model"),
+        ({"methods": ("dense", "none@ddp")}, "'none@ddp' trains no model"),
+        ({"methods": ("dense", "micro@ddp(buckets=one)")}, "a bench cluster option"),
         ({"methods": ("dense", "nope")}, "unknown"),
         ({"hosts": 1}, "hosts must be at least 2"),
         ({"target_fraction": 1.5}, "target_fraction"),

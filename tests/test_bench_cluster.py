@@ -77,7 +77,10 @@ def processes_mentioning(text: str) -> list[int]:
 @needs_namespaces
 def test_tiny_run_writes_well_formed_results_and_leaves_no_namespace(tmp_path, capsys):
     out = tmp_path / "bench"
-    options = "--hosts 2 --rates 1gbit --sparsifiers micro,none --model tiny --steps 2 --warmup 1"
+    options = (
+        "--hosts 2 --rates 1gbit --sparsifiers micro,micro@ddp(buckets=one),none@ddp,none "
+        "--model tiny --steps 2 --warmup 1"
+    )
     code = main(["bench", "cluster", *options.split(), "--out", str(out)])
     stdout, stderr = capsys.readouterr()
     if code != 0 and "exited with code -" in stderr:
@@ -100,12 +103,15 @@ def test_tiny_run_writes_well_formed_results_and_leaves_no_namespace(tmp_path, c
     assert probe["nominal_gbit_per_s"] == 1 and probe["seconds"] > 0
     # The link's counter works (it may lag the all-reduce by what still waits in the qdisc).
     assert probe["wire_bytes"] > 0.5 * probe["modelled_bytes"] > 0
-    assert [row["sparsifier"] for row in measured["rows"]] == ["micro", "none"]
+    names = ["micro", "micro@ddp(buckets=one)", "none@ddp", "none"]
+    assert [row["sparsifier"] for row in measured["rows"]] == names
     for row in measured["rows"]:
         assert row["steps"] == 2 and row["step_ms"] > 0
         assert all(row[f"{part}_ms"] == row[f"{part}_ms"] for part in PARTS)  # no NaN
-    micro, bound = measured["rows"]
+    micro, hook, floor, bound = measured["rows"]
     assert micro["modelled_bytes_per_step"] > 0 and micro["wire_bytes_per_step"] > 0
+    assert hook["modelled_bytes_per_step"] > 0 and hook["density"] > 0
+    assert floor["modelled_bytes_per_step"] == 0 and floor["over_ddp_floor"] == 1
     assert bound["modelled_bytes_per_step"] == 0 and bound["over_bound"] == 1
     assert bound["select_ms"] == bound["exchange_ms"] == 0
 
@@ -180,6 +186,7 @@ def test_bad_options_are_usage_errors(option, capsys):
 def test_default_matrix_is_dense_every_sparsifier_and_the_bound():
     names = default_sparsifiers()
     assert names[0] == "dense" and names[-1] == "none" and len(set(names)) == len(names)
+    assert "none@ddp" in names  # DDP's own cost, beside the hook and the peers
     assert {"micro", "topk"} <= set(names)
 
 
@@ -212,13 +219,16 @@ def test_summary_takes_medians_of_the_worker_mean_and_compares_with_dense_and_th
                 run("micro", [scale * 0.2] * 3),
                 run("none", [scale * 0.1] * 3, selected=0, sent=0),
                 run("powersgd", [scale * 0.3] * 3, kind="peer", selected=10_000, sent=300),
+                run("none@ddp", [scale * 0.15] * 3, kind="floor", selected=0, sent=0),
             ],
         }
 
     summary = summarize_configuration({"ranks": [rank(1, 3.0), rank(0, 1.0)]}, 2, "100mbit")
     assert summary["probe"]["nominal_gbit_per_s"] == pytest.approx(0.1)
-    dense, micro, bound, powersgd = summary["rows"]
+    dense, micro, bound, powersgd, floor = summary["rows"]
     assert powersgd["kind"] == "peer" and powersgd["density"] is None
+    assert powersgd["over_ddp_floor"] == 2 and floor["over_ddp_floor"] == 1
+    assert micro["over_ddp_floor"] is None  # the loop API does not go through DDP
     assert powersgd["selected_over_target"] is None and powersgd["over_bound"] == 3
     assert dense["step_ms"] == pytest.approx(800)  # median of (0.4+1.2)/2, twice, and 9.0
     assert micro["step_ms"] == pytest.approx(400) and bound["step_ms"] == pytest.approx(200)
@@ -233,7 +243,9 @@ def test_summary_takes_medians_of_the_worker_mean_and_compares_with_dense_and_th
         "configurations": [summary],
     }  # fmt: skip
     table = to_markdown(results)
-    assert "| 2 | 100mbit | micro | 400 | 100.0 | 0.0 | 0.0 | 300.0 | 0.0 | 2.00× | 2.00 |" in table
+    split = "| 100.0 | 0.0 | 0.0 |"
+    assert f"| 2 | 100mbit | micro | 400 {split} 300.0 | 0.0 | 2.00× | 2.00 | – |" in table
+    assert f"| 2 | 100mbit | powersgd | 600 {split} 500.0 | 0.0 | 1.33× | 3.00 | 2.00 |" in table
     assert "nominal 0.1 Gbit/s" in table
 
 

@@ -104,6 +104,48 @@ def test_collectives_are_those_torch_issues(tmp_path, name):
     )
 
 
+def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
+    """Slabs of microsparse's hook per pass with DDP's buckets and with one bucket, and
+    whether ``none@ddp`` leaves every rank with its own gradient."""
+    torch.manual_seed(rank)
+    images = torch.randn(4, 3, 8, 8)
+    slabs = {}
+    for name in ("micro@ddp", "micro@ddp(buckets=one)"):
+        ddp, state = peers.attach(peers.parse(name), small_model(), density=0.01, start=2)
+        for _ in range(3):  # past DDP's bucket rebuild
+            ddp(images).square().sum().backward()
+        slabs[name] = state.last_step.extra["slabs"]
+    local = small_model()
+    local(images).square().sum().backward()
+    ddp, state = peers.attach(peers.parse("none@ddp"), small_model(), density=0.01, start=2)
+    ddp(images).square().sum().backward()
+    own = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), local.parameters()))
+    dist.barrier()
+    return {"slabs": slabs, "own_gradient": own, "floor_state": state}
+
+
+def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
+    for result in run_ranks(ddp_rows, 2, tmp_path):
+        assert result["slabs"] == {"micro@ddp": 2, "micro@ddp(buckets=one)": 1}
+        assert result["own_gradient"] and result["floor_state"] is None
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("micro@ddp(buckets=two)", "takes \\(buckets=one\\) or \\(buckets=default\\)"),
+        ("micro@ddp(rank=1)", "takes \\(buckets=one\\)"),
+        ("micro@ddpx", "@ddp ends the name"),
+        ("micro@ddp(buckets=one", "unbalanced parentheses"),
+        ("fp16@ddp", "always runs through DDP"),
+        ("nope@ddp", "none@ddp"),  # the choices name the floor
+    ],
+)
+def test_bad_method_names_are_refused_naming_the_fix(name, message):
+    with pytest.raises(ValueError, match=message):
+        peers.parse(name)
+
+
 def test_widened_shapes_keep_the_architecture():
     shapes = peermodel.resnet18_shapes()
     wider = peermodel.scaled_shapes(shapes, 4 * sum(math.prod(s) for s in shapes))

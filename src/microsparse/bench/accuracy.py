@@ -71,8 +71,11 @@ class AccuracyConfig:
                 method = peers.parse(name)
             except ValueError as error:
                 raise ValueError(f"methods: {error}") from None
-            if method.kind == "none":
-                raise ValueError("methods: 'none' trains no model together; leave it out")
+            if method.kind in ("none", "floor"):
+                raise ValueError(f"methods: {name!r} trains no model together; leave it out")
+            if method.kind == "hook" and method.one_bucket:
+                raise ValueError(f"methods: {name!r}: microsparse train keeps DDP's buckets; "
+                                 "(buckets=one) is a bench cluster option")  # fmt: skip
         if "dense" not in self.methods:
             raise ValueError("methods: must include dense (the target is a fraction of its "
                              "final metric)")  # fmt: skip

@@ -46,8 +46,8 @@ _LOG_TAIL = 3000  # characters of a failed worker's log shown in the error
 
 def default_sparsifiers() -> tuple[str, ...]:
     """``dense``, every other registered sparsifier (the loop API), MiCRO through the DDP
-    hook, the peers a user would pick instead (``bench.peers``), and ``none`` (the
-    no-exchange bound).
+    hook, the peers a user would pick instead (``bench.peers``), ``none@ddp`` (DDP's own
+    cost, no exchange) and ``none`` (the no-exchange bound).
 
     Example:
         >>> names = default_sparsifiers()
@@ -56,7 +56,7 @@ def default_sparsifiers() -> tuple[str, ...]:
     """
     others = [name for name in method_sparsifiers() if name != "dense"]
     peer_rows = ("ddp", "powersgd", "powersgd(rank=4)", "fp16", "bf16")
-    return ("dense", *others, "micro@ddp", *peer_rows, NO_EXCHANGE)
+    return ("dense", *others, "micro@ddp", *peer_rows, peers.DDP_FLOOR, NO_EXCHANGE)
 
 
 @dataclass(frozen=True)
@@ -271,9 +271,12 @@ def summarize_configuration(raw: dict[str, Any], hosts: int, rate: str) -> dict[
     ]
     by_name = {row["sparsifier"]: row for row in rows}
     dense, bound = by_name.get("dense"), by_name.get(NO_EXCHANGE)
+    floor = by_name.get(peers.DDP_FLOOR)
     for row in rows:
         row["speedup_vs_dense"] = dense["step_ms"] / row["step_ms"] if dense else None
         row["over_bound"] = row["step_ms"] / bound["step_ms"] if bound else None
+        through_ddp = floor is not None and row["kind"] in peers.DDP_KINDS
+        row["over_ddp_floor"] = row["step_ms"] / floor["step_ms"] if through_ddp else None
     return {"hosts": hosts, "rate": rate, "probe": probe, "rows": rows}
 
 
@@ -368,9 +371,9 @@ def to_markdown(results: dict[str, Any]) -> str:
     lines += [
         "",
         "| hosts | link | sparsifier | step ms | compute | wait | select | exchange | other "
-        "| speed-up vs dense | × no-comm bound | density | MB sent/step (model) "
+        "| speed-up vs dense | × no-comm bound | × DDP floor | density | MB sent/step (model) "
         "| MB on wire/step |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for measured in results["configurations"]:
         for row in measured["rows"]:
@@ -382,6 +385,7 @@ def to_markdown(results: dict[str, Any]) -> str:
                 *(f"{row[f'{part}_ms']:.1f}" for part in PARTS),
                 _maybe(row["speedup_vs_dense"], "{:.2f}×"),
                 _maybe(row["over_bound"], "{:.2f}"),
+                _maybe(row.get("over_ddp_floor"), "{:.2f}"),
                 _maybe(row["density"], "{:.3%}"),
                 f"{row['modelled_bytes_per_step'] / 1e6:.3f}",
                 _maybe(row["wire_bytes_per_step"], "{:.3f}", scale=1e-6),
@@ -392,7 +396,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """Stacked horizontal bars of the step split, one panel per (hosts, rate), with the
-    no-communication bound as a dashed line."""
+    no-communication bound as a dashed line and DDP's own cost (``none@ddp``) dotted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -423,12 +427,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
             widths = [max(0.0, row[f"{part}_ms"]) for row in rows]
             axis.barh(names, widths, left=left, color=colors[part], label=part)
             left = [a + b for a, b in zip(left, widths)]
-        bound = next((row for row in rows if row["sparsifier"] == NO_EXCHANGE), None)
-        if bound:
-            axis.axvline(bound["step_ms"], color="black", linestyle="--", linewidth=1)
+        for name, style in ((NO_EXCHANGE, "--"), (peers.DDP_FLOOR, ":")):
+            line = next((row for row in rows if row["sparsifier"] == name), None)
+            if line:
+                axis.axvline(line["step_ms"], color="black", linestyle=style, linewidth=1)
         axis.invert_yaxis()
         axis.set_title(f"{measured['hosts']} hosts, {measured['rate']} links")
-        axis.set_xlabel("median step time, ms (dashed: no-communication bound)")
+        axis.set_xlabel("median step time, ms (dashed: no-communication bound; dotted: DDP's "
+                        "own cost)")  # fmt: skip
     axes[0][0].legend(loc="lower right", fontsize="small")
     figure.suptitle(
         f"{results['config']['model']}, density {results['config']['density']:g}: "

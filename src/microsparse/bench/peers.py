@@ -16,7 +16,13 @@ A method name is one of:
   buckets it crashed on gloo under load ("Received data size doesn't match expected size"),
   so it runs with one bucket holding the whole model (``bucket_cap_mb`` large), marked so in
   its name's description; ``powersgd(rank=R,buckets=default)`` asks for DDP's buckets;
-- ``none``: the same training with no exchange at all (the no-communication bound).
+- ``none``: the same training with no exchange at all (the no-communication bound);
+- ``none@ddp``: DDP with a hook that hands every bucket back as it is: what DDP itself costs
+  (copying gradients into its buckets and back, its autograd hooks, the ranks meeting once a
+  step) without sending a byte, the floor under any DDP hook;
+- ``NAME@ddp(buckets=one)``: microsparse's hook on DDP with one bucket holding the whole
+  model, so that the exchange runs once, after backward, as in the loop API, instead of once
+  per DDP bucket.
 
 Example:
     >>> method = parse("micro(selection=threshold)@ddp")
@@ -26,6 +32,8 @@ Example:
     (4, True)
     >>> parse("powersgd(rank=4,start=100)").start
     100
+    >>> parse("micro@ddp(buckets=one)").one_bucket, parse("none@ddp").kind
+    (True, 'floor')
 """
 
 from __future__ import annotations
@@ -41,8 +49,11 @@ from microsparse.bench.workload import find_variants
 from microsparse.sparsifiers import available_sparsifiers
 
 NO_EXCHANGE = "none"
+DDP_FLOOR = "none@ddp"
 PEERS = ("ddp", "fp16", "bf16", "powersgd")
 HOOK_SUFFIX = "@ddp"
+DDP_KINDS = ("hook", "peer", "floor")
+"""The kinds of method that train through DistributedDataParallel."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +61,7 @@ class Method:
     """One row of the cluster benchmark: what averages the gradients, and how it is attached."""
 
     name: str
-    kind: str  # "loop", "hook", "peer" or "none"
+    kind: str  # "loop", "hook", "peer", "floor" (DDP, no exchange) or "none"
     sparsifier: str = ""  # the microsparse sparsifier, or the peer's name
     options: dict[str, Any] = field(default_factory=dict)
     rank: int = 0  # PowerSGD's matrix approximation rank
@@ -63,20 +74,27 @@ class Method:
 
     @property
     def uses_ddp(self) -> bool:
-        return self.kind in ("hook", "peer")
+        return self.kind in DDP_KINDS
 
 
 def parse(name: str) -> Method:
     """The :class:`Method` a name means; ValueError naming the choices if it means none."""
     if name == NO_EXCHANGE:
         return Method(name, "none")
-    base, _, suffix = name.partition(HOOK_SUFFIX)
+    if name == DDP_FLOOR:
+        return Method(name, "floor")
+    base, hooked, suffix = name.partition(HOOK_SUFFIX)
+    one_bucket = False
     if suffix:
-        raise ValueError(f"method {name!r}: {HOOK_SUFFIX} must end the name")
+        options = _arguments(name, suffix[1:]) if suffix.startswith("(") else {}
+        if set(options) != {"buckets"} or options["buckets"] not in ("one", "default"):
+            raise ValueError(f"method {name!r}: {HOOK_SUFFIX} ends the name, or takes "
+                             "(buckets=one) or (buckets=default)")  # fmt: skip
+        one_bucket = options["buckets"] == "one"
     label, _, arguments = base.partition("(")
     if label in PEERS:
         options = _arguments(name, arguments)
-        if name.endswith(HOOK_SUFFIX):
+        if hooked:
             raise ValueError(f"method {name!r}: {label} always runs through DDP; drop "
                              f"{HOOK_SUFFIX}")  # fmt: skip
         unknown = set(options) - ({"rank", "buckets", "start"} if label == "powersgd" else set())
@@ -93,13 +111,13 @@ def parse(name: str) -> Method:
     try:
         (variant,) = find_variants((base,))
     except ValueError:
-        choices = (*available_sparsifiers(), "micro-reference", *PEERS, NO_EXCHANGE)
+        choices = (*available_sparsifiers(), "micro-reference", *PEERS, NO_EXCHANGE, DDP_FLOOR)
         raise ValueError(
             f"method {name!r}: unknown; choose from {', '.join(choices)} (a sparsifier may "
             f"end in {HOOK_SUFFIX} for the DDP hook)"
         ) from None
-    kind = "hook" if name.endswith(HOOK_SUFFIX) else "loop"
-    return Method(name, kind, variant.name, dict(variant.options))
+    kind = "hook" if hooked else "loop"
+    return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket)
 
 
 def _whole(name: str, key: str, text: str, least: int) -> int:
@@ -143,7 +161,9 @@ def attach(
     one_bucket_mb = ONE_BUCKET_BYTES >> 20
     ddp = DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb if method.one_bucket else None)
     state: Any = None
-    if method.kind == "hook":
+    if method.kind == "floor":
+        ddp.register_comm_hook(None, unchanged_hook)
+    elif method.kind == "hook":
         state = mddp.SparseState(method.sparsifier, density, **method.options)
         ddp.register_comm_hook(state, mddp.sparse_hook)
     elif method.sparsifier == "fp16":
@@ -163,6 +183,13 @@ def attach(
         )  # fmt: skip
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     return ddp, state
+
+
+def unchanged_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+    """Hand the bucket back as it is: DDP's own cost, no exchange (``none@ddp``)."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def bfloat16_hook(process_group, bucket):  # type: ignore[no-untyped-def]
