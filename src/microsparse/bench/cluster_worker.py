@@ -12,7 +12,8 @@ The parent (:mod:`microsparse.bench.cluster`) starts one of these per host names
    batches, timing compute (forward + backward), the wait for the slowest worker (a barrier
    before the exchange, so that the exchange is timed on its own), selection, exchange and
    the whole step.
-   ``none`` trains the same way without any exchange: the no-communication bound.
+   ``none`` trains the same way without any exchange: the no-communication bound (its
+   ranks meet at a barrier before every step, as those of a synchronous step do).
 
 Rank 0 writes every rank's records as one JSON file (``--out``).
 
@@ -235,8 +236,12 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
         images = torch.randn(args.batch_size, *IMAGE_SHAPE, generator=generator)
         labels = torch.randint(CLASSES, (args.batch_size,), generator=generator)
         started = time.perf_counter()
-        if method.uses_ddp:
-            dist.barrier()  # the exchange happens inside backward: wait for everyone first
+        if method.uses_ddp or method.kind == "none":
+            # DDP: the exchange happens inside backward, so wait for everyone first. The bound
+            # too keeps the ranks in step, as every exchange does: left to run free, ranks that
+            # share cores drift apart, and the last ones run alone, faster than any rank of a
+            # synchronous step could (docs/BENCHMARKS.md has the numbers).
+            dist.barrier()
         ready = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)
         F.cross_entropy(trained(images), labels).backward()
