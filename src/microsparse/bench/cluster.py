@@ -433,12 +433,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 axis.axvline(line["step_ms"], color="black", linestyle=style, linewidth=1)
         axis.invert_yaxis()
         axis.set_title(f"{measured['hosts']} hosts, {measured['rate']} links")
-        axis.set_xlabel("median step time, ms (dashed: no-communication bound; dotted: DDP's "
-                        "own cost)")  # fmt: skip
+        axis.set_xlabel("median step time, ms")
     axes[0][0].legend(loc="lower right", fontsize="small")
     figure.suptitle(
         f"{results['config']['model']}, density {results['config']['density']:g}: "
-        "step time and its split"
+        "step time and its split (dashed: no-exchange bound; dotted: DDP with no exchange)"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
