@@ -46,6 +46,7 @@ class LoopbackConfig:
     variants: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {"micro": {}, "micro-reference": REFERENCE}
     )
+    """label -> GradientReducer options; ``sparsifier`` among them names another than MiCRO."""
 
 
 def run(config: LoopbackConfig) -> dict[str, Any]:
@@ -85,10 +86,11 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in layout.shapes]
     fresh = [g.view(shape).clone() for g, shape in zip(gradient.split(list(layout.sizes)),
                                                         layout.shapes)]  # fmt: skip
-    reducers = {
-        name: GradientReducer(params, "micro", config.density, **options)
-        for name, options in config.variants.items()
-    }
+    reducers = {}
+    for name, options in config.variants.items():
+        options = dict(options)
+        sparsifier = options.pop("sparsifier", "micro")
+        reducers[name] = GradientReducer(params, sparsifier, config.density, **options)
 
     def all_reduce() -> None:
         dist.all_reduce(flat)
@@ -125,12 +127,14 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
         torch.save(gathered, out)
 
 
-if __name__ == "__main__":  # python -m microsparse.bench.loopback [numel] [repeats]
+if __name__ == "__main__":  # python -m microsparse.bench.loopback [numel] [repeats] [names]
     import json
     import sys
 
     arguments = [int(a) for a in sys.argv[1:3]]
     numel, repeats = (arguments + [RESNET18_NUMEL, 15][len(arguments) :])[:2]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = run(LoopbackConfig(numel=numel, repeats=repeats))
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # e.g. micro,oracle
+    variants = {n: {"sparsifier": n} for n in names} if names else LoopbackConfig().variants
+    result = run(LoopbackConfig(numel=numel, repeats=repeats, variants=variants))
     print(json.dumps({k: v for k, v in result.items() if k != "per_rank"}, indent=1))
