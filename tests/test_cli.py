@@ -35,9 +35,10 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
-@pytest.mark.parametrize("integration", ["loop", "ddp"])
+@pytest.mark.parametrize("integration", ["loop", "ddp", "ddp --one-exchange"])
 def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_path):
     out = tmp_path / "run"
+    integration, *one_exchange = integration.split()
     result = run_cli(
         "train",
         "--workers",
@@ -49,6 +50,7 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
         str(out),
         "--integration",
         integration,
+        *one_exchange,
         "--checkpoint-every",
         "2",
     )
@@ -68,6 +70,7 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert summary["steps"] == 5
     assert summary["config"]["world_size"] == 2 and summary["config"]["sparsifier"] == "micro"
     assert summary["config"]["integration"] == integration
+    assert summary["config"]["one_exchange"] == bool(one_exchange)
     assert 0 <= summary["test_accuracy"] <= 1
     assert 0 < summary["traffic_ratio"] < 1
     assert summary["final_loss"] == records[-1]["loss"]
@@ -179,6 +182,8 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--ddp-hook", "powersgd(rnk=2)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(buckets=default)"], "--ddp-hook"),
         (["--integration", "ddp", "--ddp-hook", "powersgd(start=1)"], "--ddp-hook"),
+        (["--one-exchange"], "--one-exchange"),  # an option of the DDP hook
+        (["--integration", "ddp", "--ddp-hook", "fp16", "--one-exchange"], "--one-exchange"),
     ],
 )
 def test_bad_option_exits_2_naming_the_option(args, option, capsys, tmp_path):

@@ -237,10 +237,11 @@ def _scaler_worker(rank: int, n: int, integration: str) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
-    if integration == "ddp":
-        trained = DDP(model)
+    if integration.startswith("ddp"):
+        one = integration == "ddp-one-exchange"  # over several buckets, each poisoned
+        trained = DDP(model, bucket_cap_mb=0.001 if one else 25)
         trained.register_comm_hook(
-            mddp.MicroState(density=0.05, grad_scaler=scaler), mddp.micro_hook
+            mddp.MicroState(density=0.05, grad_scaler=scaler, one_exchange=one), mddp.micro_hook
         )
         reducer = None
     else:
@@ -265,7 +266,7 @@ def _scaler_worker(rank: int, n: int, integration: str) -> dict:
     return {"scales": scales, "moved": moved, "params": [p.detach() for p in model.parameters()]}
 
 
-@pytest.mark.parametrize("integration", ["loop", "ddp"])
+@pytest.mark.parametrize("integration", ["loop", "ddp", "ddp-one-exchange"])
 def test_grad_scaler_skips_an_overflow_on_every_rank_and_training_goes_on(integration, tmp_path):
     first, second = run_ranks(_scaler_worker, 2, tmp_path, integration)
     for result in (first, second):

@@ -110,7 +110,7 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
     torch.manual_seed(rank)
     images = torch.randn(4, 3, 8, 8)
     slabs = {}
-    for name in ("micro@ddp", "micro@ddp(buckets=one)"):
+    for name in ("micro@ddp", "micro@ddp(buckets=one)", "micro@ddp(exchange=one)"):
         ddp, state = peers.attach(peers.parse(name), small_model(), density=0.01, start=2)
         for _ in range(3):  # past DDP's bucket rebuild
             ddp(images).square().sum().backward()
@@ -126,15 +126,21 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
 
 def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
     for result in run_ranks(ddp_rows, 2, tmp_path):
-        assert result["slabs"] == {"micro@ddp": 2, "micro@ddp(buckets=one)": 1}
+        assert result["slabs"] == {
+            "micro@ddp": 2,
+            "micro@ddp(buckets=one)": 1,
+            "micro@ddp(exchange=one)": 1,
+        }
         assert result["own_gradient"] and result["floor_state"] is None
 
 
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("micro@ddp(buckets=two)", "takes \\(buckets=one\\) or \\(buckets=default\\)"),
-        ("micro@ddp(rank=1)", "takes \\(buckets=one\\)"),
+        ("micro@ddp(buckets=two)", "takes \\(buckets=one\\|default\\)"),
+        ("micro@ddp(rank=1)", "takes \\(buckets=one\\|default\\)"),
+        ("micro@ddp(exchange=two)", "and/or \\(exchange=one\\|buckets\\)"),
+        ("micro@ddp()", "takes \\(buckets"),
         ("micro@ddpx", "@ddp ends the name"),
         ("micro@ddp(buckets=one", "unbalanced parentheses"),
         ("fp16@ddp", "always runs through DDP"),

@@ -93,6 +93,8 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
     else:
         argv += ["--sparsifier", method.sparsifier]
         argv += ["--integration", "ddp" if method.kind == "hook" else "loop"]
+        if method.one_exchange:
+            argv.append("--one-exchange")
         for key, value in method.options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
     # On CPU, gloo over the shaped links: on a GPU machine NCCL would bypass them.

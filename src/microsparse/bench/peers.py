@@ -22,7 +22,9 @@ A method name is one of:
   step) without sending a byte, the floor under any DDP hook;
 - ``NAME@ddp(buckets=one)``: microsparse's hook on DDP with one bucket holding the whole
   model, so that the exchange runs once, after backward, as in the loop API, instead of once
-  per DDP bucket.
+  per DDP bucket;
+- ``NAME@ddp(exchange=one)``: microsparse's hook with ``one_exchange=True`` on DDP's own
+  buckets: the same single exchange after backward, without touching ``bucket_cap_mb``.
 
 Example:
     >>> method = parse("micro(selection=threshold)@ddp")
@@ -34,6 +36,8 @@ Example:
     100
     >>> parse("micro@ddp(buckets=one)").one_bucket, parse("none@ddp").kind
     (True, 'floor')
+    >>> parse("micro@ddp(exchange=one)").one_exchange
+    True
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Method:
     rank: int = 0  # PowerSGD's matrix approximation rank
     one_bucket: bool = False  # DDP with one bucket holding the whole model
     start: int | None = None  # PowerSGD's plain all-reduce steps, if the name sets them
+    one_exchange: bool = False  # the hook's one_exchange: one slab whatever DDP's buckets
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
@@ -84,13 +89,19 @@ def parse(name: str) -> Method:
     if name == DDP_FLOOR:
         return Method(name, "floor")
     base, hooked, suffix = name.partition(HOOK_SUFFIX)
-    one_bucket = False
+    one_bucket = one_exchange = False
     if suffix:
         options = _arguments(name, suffix[1:]) if suffix.startswith("(") else {}
-        if set(options) != {"buckets"} or options["buckets"] not in ("one", "default"):
+        if (
+            not options
+            or not set(options) <= {"buckets", "exchange"}
+            or options.get("buckets", "default") not in ("one", "default")
+            or options.get("exchange", "buckets") not in ("one", "buckets")
+        ):
             raise ValueError(f"method {name!r}: {HOOK_SUFFIX} ends the name, or takes "
-                             "(buckets=one) or (buckets=default)")  # fmt: skip
-        one_bucket = options["buckets"] == "one"
+                             "(buckets=one|default) and/or (exchange=one|buckets)")  # fmt: skip
+        one_bucket = options.get("buckets") == "one"
+        one_exchange = options.get("exchange") == "one"
     label, _, arguments = base.partition("(")
     if label in PEERS:
         options = _arguments(name, arguments)
@@ -117,7 +128,8 @@ def parse(name: str) -> Method:
             f"end in {HOOK_SUFFIX} for the DDP hook)"
         ) from None
     kind = "hook" if hooked else "loop"
-    return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket)
+    return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
+                  one_exchange=one_exchange)  # fmt: skip
 
 
 def _whole(name: str, key: str, text: str, least: int) -> int:
@@ -164,7 +176,8 @@ def attach(
     if method.kind == "floor":
         ddp.register_comm_hook(None, unchanged_hook)
     elif method.kind == "hook":
-        state = mddp.SparseState(method.sparsifier, density, **method.options)
+        state = mddp.SparseState(method.sparsifier, density, one_exchange=method.one_exchange,
+                                 **method.options)  # fmt: skip
         ddp.register_comm_hook(state, mddp.sparse_hook)
     elif method.sparsifier == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

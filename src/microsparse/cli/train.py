@@ -166,6 +166,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--sparsifier and "
         "--density are then unused (default: microsparse)",
     )
+    add(
+        "--one-exchange",
+        action="store_true",
+        default=None,
+        help="with --integration ddp: average the whole model in one exchange after its last "
+        "DDP bucket, instead of one exchange per bucket (fewer collective rounds, no overlap "
+        "with backward)",
+    )
     recipe = train.add_argument_group("recipe (default: the task's)")
     add = recipe.add_argument
     add("--epochs", type=arguments.positive_int)

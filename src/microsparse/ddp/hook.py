@@ -30,7 +30,8 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
        copies into the gradients); what was not sent stays in the residual.
 
     Meanwhile autograd goes on computing the next buckets' gradients. Every pass selects k
-    entries in all (each slab its share), from the first one on.
+    entries in all (each slab its share), from the first one on. With the state's
+    ``one_exchange=True`` the whole model is one slab, whose step starts at the last bucket.
 
     .. warning::
         An error in any slab's step (a NaN or Inf in what is sent, ranks at different steps)
@@ -49,7 +50,7 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
-    jobs, waiting_for, result = binding.slabs.arrive(bucket.parameters(), buffer)
+    jobs, waiting_for, result = binding.slabs.arrive(bucket.parameters(), buffer, bucket.is_last())
     number = len(record.buckets)
     record.buckets[number] = (future, result, waiting_for)
     if not waiting_for:  # in no slab (a checkpoint of another model): reported at the end

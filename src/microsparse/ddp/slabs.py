@@ -14,6 +14,12 @@ resumed run selects exactly what the uninterrupted one did.
 
 Each slab's share of k is cut from the model-wide target by its offset in the pass, so the
 slabs of a pass select k entries in all: k_s = ⌊δ(o_s + d_s)⌋ − ⌊δ·o_s⌋ (at least 1).
+
+With ``one_exchange`` the whole model is one slab whatever DDP's buckets: every bucket waits
+for it, and its step starts when DDP hands over the last bucket of the pass. That is one
+exchange per step (two collective rounds for MiCRO) instead of one per bucket, and k is not
+split; it gives up overlapping the exchange with the rest of backward. Its average is still
+written in O(K), into a buffer per bucket (:class:`BucketsOutput`).
 """
 
 from __future__ import annotations
@@ -93,22 +99,14 @@ class Slab:
         self._output: SparseOutput | None = None
 
     def output_for(self, buffer: torch.Tensor) -> FlatOutput | SparseOutput:
-        """Where the average of a slab that is exactly DDP's bucket ``buffer`` goes.
-
-        DDP copies the hook's result into every ``p.grad``, so the slab hands it its own
-        buffer, rewritten in O(K), instead of zeroing the bucket every step. Dense slabs, and
-        gradients that are views of the bucket (``gradient_as_bucket_view=True``), use the
-        bucket itself.
-        """
-        grad = self.params[0].grad
-        in_bucket = grad is not None and (
-            grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-        )
-        if isinstance(self.engine.framing, Dense) or in_bucket:
+        """Where the average of a slab that is exactly DDP's bucket ``buffer`` goes
+        (:func:`bucket_output`; dense slabs average the bucket itself)."""
+        if isinstance(self.engine.framing, Dense):
             return FlatOutput(buffer)
-        if self._output is None or self._output.data.dtype != buffer.dtype:
-            self._output = SparseOutput(torch.zeros_like(buffer))
-        return self._output
+        output = bucket_output(buffer, self.params[0], self._output)
+        if isinstance(output, SparseOutput):
+            self._output = output
+        return output
 
     @property
     def sparsifier(self) -> Sparsifier:
@@ -123,7 +121,7 @@ class Job:
     key: object
     """Names the slab in this pass (the buckets holding its parameters wait for it)."""
     fresh: torch.Tensor | list[torch.Tensor]
-    output: FlatOutput | SparseOutput | PiecesOutput
+    output: FlatOutput | SparseOutput | PiecesOutput | BucketsOutput
     buckets: list[int]
     """Indices (in this pass) of the buckets holding its parameters."""
     exclude: list[tuple[int, int]] = field(default_factory=list)
@@ -152,23 +150,89 @@ class PiecesOutput:
         raise NotImplementedError("dense slabs always follow DDP's buckets one to one")
 
 
+class BucketsOutput:
+    """The average of one slab spread over several DDP buckets, each rewritten in O(K).
+
+    ``places`` gives, for each parameter of the slab in order, its bucket's number and its
+    offset in that bucket; ``outputs`` holds each bucket's output (what its future returns).
+
+    Example:
+        >>> layout = Layout.of([("a", torch.zeros(2)), ("b", torch.zeros(3))])
+        >>> buckets = [SparseOutput(torch.zeros(3)), SparseOutput(torch.zeros(2))]
+        >>> out = BucketsOutput(layout, [(1, 0), (0, 0)], buckets)   # b came first, alone
+        >>> out.write(torch.tensor([1, 4]), torch.tensor([5.0, 7.0]))
+        >>> buckets[0].data.tolist(), buckets[1].data.tolist()
+        ([0.0, 0.0, 7.0], [0.0, 5.0])
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        places: Sequence[tuple[int, int]],
+        outputs: Sequence[FlatOutput | SparseOutput],
+    ) -> None:
+        device = outputs[0].data.device
+        self._outputs = list(outputs)
+        self._ends = torch.tensor([o + n for o, n in zip(layout.offsets, layout.sizes)],
+                                  dtype=torch.long, device=device)  # fmt: skip
+        self._bucket = torch.tensor([number for number, _ in places], device=device)
+        self._shift = torch.tensor([at - offset for (_, at), offset in zip(places, layout.offsets)],
+                                   dtype=torch.long, device=device)  # fmt: skip
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        parameter = torch.searchsorted(self._ends, positions, right=True)
+        local = positions + self._shift[parameter]
+        bucket = self._bucket[parameter]
+        for number, output in enumerate(self._outputs):
+            inside = bucket == number
+            output.write(local[inside], values[inside])
+
+    def poison(self) -> None:
+        for output in self._outputs:
+            output.poison()
+
+    def dense(self, fresh: object) -> torch.Tensor:
+        raise NotImplementedError("dense slabs always follow DDP's buckets one to one")
+
+
+def bucket_output(
+    buffer: torch.Tensor, first: torch.Tensor, kept: SparseOutput | None
+) -> FlatOutput | SparseOutput:
+    """Where the sparse average of DDP's bucket ``buffer`` goes, ``first`` its first parameter.
+
+    DDP copies the hook's result into every ``p.grad``, so a buffer of our own (``kept``, if
+    it still fits), rewritten in O(K), saves zeroing the bucket every step. Gradients that are
+    views of the bucket (``gradient_as_bucket_view=True``) use the bucket itself.
+    """
+    grad, storage = first.grad, buffer.untyped_storage().data_ptr()
+    if grad is not None and grad.untyped_storage().data_ptr() == storage:
+        return FlatOutput(buffer)
+    if kept is None or kept.data.dtype != buffer.dtype or kept.data.shape != buffer.shape:
+        return SparseOutput(torch.zeros_like(buffer))
+    return kept
+
+
 class _Arrived:
-    """Where each parameter's gradient is in this pass: (bucket number, flat view)."""
+    """Where each parameter's gradient is in this pass: (bucket number, flat view), and its
+    offset in its bucket."""
 
     def __init__(self) -> None:
         self.where: dict[int, tuple[int, torch.Tensor]] = {}
+        self.offset: dict[int, int] = {}
 
     def add(self, bucket_number: int, params: Sequence[torch.Tensor], buffer: torch.Tensor) -> None:
         offset = 0
         for p in params:
             self.where[id(p)] = (bucket_number, buffer[offset : offset + p.numel()].view(p.shape))
+            self.offset[id(p)] = offset
             offset += p.numel()
 
 
 class Slabs:
     """Which slab each parameter is in, following DDP's buckets; see the module docstring.
 
-    ``make_sparsifier`` builds a fresh, unbound sparsifier for a new slab.
+    ``make_sparsifier`` builds a fresh, unbound sparsifier for a new slab; ``one_exchange``
+    makes the whole model one slab (see the module docstring).
     """
 
     def __init__(
@@ -181,8 +245,12 @@ class Slabs:
         momentum: tuple[float, bool] = (0.0, False),
         warmup: DensityWarmup | None = None,
         adam: tuple[float, float, float] | None = None,
+        one_exchange: bool = False,
     ) -> None:
         self._make = make_sparsifier
+        self.one_exchange = one_exchange
+        self._bucket_outputs: dict[int, SparseOutput] = {}  # one_exchange: kept per bucket
+        self._spread: tuple[object, BucketsOutput] | None = None
         self.warmup = warmup
         self.transactional = transactional
         self.momentum = momentum
@@ -210,6 +278,7 @@ class Slabs:
 
     def _begin_pass(self) -> None:
         self._arrived = _Arrived()
+        self._pass_outputs: dict[int, FlatOutput | SparseOutput] = {}
         self._started: set[int] = set()
         self._offset = 0  # entries of the slabs started so far in this pass
         self._buckets = 0
@@ -220,16 +289,19 @@ class Slabs:
         self._begin_pass()
 
     def arrive(
-        self, params: Sequence[torch.Tensor], buffer: torch.Tensor
+        self, params: Sequence[torch.Tensor], buffer: torch.Tensor, last: bool = False
     ) -> tuple[list[Job], set[object], torch.Tensor]:
-        """DDP handed over a bucket: the jobs of the slabs that now have all their gradients
-        (in an order that is the same on every rank), the keys of the slabs the bucket must
-        wait for, and the tensor its future completes with."""
+        """DDP handed over a bucket (``last``: the last of the pass): the jobs of the slabs
+        that now have all their gradients (in an order that is the same on every rank), the
+        keys of the slabs the bucket must wait for, and the tensor its future completes
+        with."""
         number = self._buckets
         self._buckets += 1
         for p in params:
             self._meet(p)
         self._arrived.add(number, params, buffer)
+        if self._restored is None and self.one_exchange:
+            return self._arrive_for_one_slab(number, params, buffer, last)
         if self._restored is None:
             key = tuple(id(p) for p in params)
             slab = self._slab_of.get(key[0])
@@ -246,7 +318,36 @@ class Slabs:
         jobs = [self._job(slab, ("saved", n)) for n, slab in self._ready_restored_slabs()]
         return jobs, waiting, buffer
 
-    def _job(self, slab: Slab, key: object, whole: torch.Tensor | None = None) -> Job:
+    def _arrive_for_one_slab(
+        self, number: int, params: Sequence[torch.Tensor], buffer: torch.Tensor, last: bool
+    ) -> tuple[list[Job], set[object], torch.Tensor]:
+        output = bucket_output(buffer, params[0], self._bucket_outputs.get(number))
+        if isinstance(output, SparseOutput):
+            self._bucket_outputs[number] = output
+        self._pass_outputs[number] = output
+        if not last:
+            return [], {_MODEL}, output.data
+        arrived = [p for p in self.order if id(p) in self._arrived.where]
+        slab = self._slab_of.get(id(arrived[0]))
+        if slab is None or tuple(id(p) for p in slab.params) != tuple(id(p) for p in arrived):
+            slab = self._new_slab(arrived)
+        places = [(self._arrived.where[id(p)][0], self._arrived.offset[id(p)]) for p in arrived]
+        outputs = [self._pass_outputs[n] for n in range(self._buckets)]
+        key = (id(slab), tuple(places), tuple(id(o.data) for o in outputs))
+        if self._spread is None or self._spread[0] != key:  # once after DDP's rebuild
+            self._spread = (key, BucketsOutput(slab.layout, places, outputs))
+        job = self._job(slab, _MODEL, spread=self._spread[1])
+        return [job], {_MODEL}, output.data
+
+    def _job(
+        self,
+        slab: Slab,
+        key: object,
+        whole: torch.Tensor | None = None,
+        spread: BucketsOutput | None = None,
+    ) -> Job:
+        """``whole``: the slab is exactly this bucket; ``spread``: the output of a slab over
+        several buckets (else written into the buckets' views, zeroing each)."""
         self._started.add(id(slab))
         self._offset += slab.layout.numel
         where = [self._arrived.where[id(p)] for p in slab.params]
@@ -259,7 +360,8 @@ class Slabs:
         if whole is not None:
             return Job(slab, key, whole, slab.output_for(whole), buckets, exclude)
         views = [view for _, view in where]
-        return Job(slab, key, views, PiecesOutput(views, slab.layout), buckets, exclude)
+        output = spread if spread is not None else PiecesOutput(views, slab.layout)
+        return Job(slab, key, views, output, buckets, exclude)
 
     # ---- parameters and slabs ---------------------------------------------------------
 
@@ -390,6 +492,10 @@ class Slabs:
                 f"(parameters {missing[:10]} are in none of them); restore into the same model "
                 "definition"
             )
+
+
+_MODEL = "model"
+"""The key every bucket waits for with ``one_exchange``: the one slab of the whole model."""
 
 
 @dataclass

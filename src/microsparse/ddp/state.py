@@ -57,6 +57,12 @@ class SparseState:
             at Adam's learning rate. Not with ``grad_scaler``.
         density_warmup: ``(start, steps)``: a density warm-up, as in
             :class:`microsparse.GradientReducer` (the slabs' ks add up to the model's).
+        one_exchange: average the whole model as one slab, in one exchange that starts when
+            DDP hands over its last bucket, whatever DDP's buckets are: fewer collective
+            rounds per step (2 for MiCRO, instead of 2 per bucket), at the cost of not
+            overlapping the exchange with backward; k is then not split by bucket. Pays where
+            rounds cost more than they overlap (latency, many buckets, few cores per rank).
+            Dense averaging always follows DDP's buckets.
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     The state can be built before ``init_process_group``, pickled and deep-copied: it binds
@@ -82,6 +88,7 @@ class SparseState:
         momentum_nesterov: bool = False,
         adam_correction: tuple[float, float, float] | None = None,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
+        one_exchange: bool = False,
         **options: Any,
     ) -> None:
         if value_dtype not in VALUE_DTYPES:
@@ -115,6 +122,9 @@ class SparseState:
                 "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
                 "momentum"
             )
+        if not isinstance(one_exchange, bool):
+            raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
+        self.one_exchange = one_exchange
         self.density_warmup = DensityWarmup.of(density_warmup)
         if self.density_warmup is not None:
             if self.averages_densely:
@@ -161,7 +171,7 @@ class SparseState:
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
                       self.transactional, self.momentum, self.density_warmup,
-                      self.adam)  # fmt: skip
+                      self.adam, self.one_exchange and not self.averages_densely)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -218,6 +228,8 @@ class SparseState:
             config["adam_correction"] = list(self.adam)
         if self.density_warmup is not None:
             config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
+        if self.one_exchange:  # the slabs, and so the saved thresholds, differ
+            config["one_exchange"] = True
         return config
 
     def state_dict(self) -> dict[str, Any]:
@@ -284,6 +296,8 @@ class SparseState:
             "transactional": self.transactional,
             "momentum": self.momentum,
             "density_warmup": self.density_warmup,
+            "adam": self.adam,
+            "one_exchange": self.one_exchange,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -294,7 +308,9 @@ class SparseState:
                              timeout=saved.get("timeout"), transactional=saved["transactional"],
                              momentum_correction=saved.get("momentum", (0.0, False))[0],
                              momentum_nesterov=saved.get("momentum", (0.0, False))[1],
+                             adam_correction=saved.get("adam"),
                              density_warmup=saved.get("density_warmup"),
+                             one_exchange=saved.get("one_exchange", False),
                              **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
@@ -320,13 +336,14 @@ class MicroState(SparseState):
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
+        one_exchange: bool = False,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
                          timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
                          momentum_correction=momentum_correction,
                          momentum_nesterov=momentum_nesterov, density_warmup=density_warmup,
-                         **options)  # fmt: skip
+                         one_exchange=one_exchange, **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)

@@ -75,6 +75,7 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on rank 0
     integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
     ddp_hook: str = "microsparse"  # or a peer (``bench.peers``): ddp, fp16, bf16, powersgd(...)
+    one_exchange: bool = False  # the hook's whole model as one slab, one exchange a step
     checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
@@ -143,6 +144,12 @@ class TrainConfig:
         _require(self.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
         if self.ddp_hook != "microsparse":
             _check_peer(self)
+        _require(
+            not self.one_exchange
+            or (self.integration == "ddp" and self.ddp_hook == "microsparse"),
+            "one_exchange",
+            "is an option of microsparse's DDP hook: add --integration ddp (and no --ddp-hook)",
+        )
         _require(
             not (self.capture_gradients and self.integration != "loop"),
             "capture_gradients",

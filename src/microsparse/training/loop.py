@@ -173,8 +173,9 @@ class Averaging:
             self.model = self._peer.model
         elif config.integration == "ddp":
             self._state = SparseState(
-                config.sparsifier, config.density, timeout=config.timeout, **options
-            )
+                config.sparsifier, config.density, timeout=config.timeout,
+                one_exchange=config.one_exchange, **options,
+            )  # fmt: skip
             self.model = DistributedDataParallel(model)
             self.model.register_comm_hook(self._state, sparse_hook)
         else:
