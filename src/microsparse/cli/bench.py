@@ -75,7 +75,8 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         type=bench_options.methods,
         default=None,
         help=f"methods: a sparsifier ({', '.join(names)}) for the loop API, NAME@ddp for the "
-        "DDP hook (NAME@ddp(buckets=one): with one DDP bucket), or a peer: ddp, fp16, bf16, "
+        "DDP hook (NAME@ddp(buckets=one): with one DDP bucket; NAME@ddp(exchange=one): one "
+        "exchange after DDP's last bucket), or a peer: ddp, fp16, bf16, "
         "powersgd(rank=R); none@ddp (DDP's own cost, no exchange) and none (the no-exchange "
         f"bound) (default: {_join(default_sparsifiers())}; quick {_join(QUICK['sparsifiers'])})",
     )
