@@ -49,8 +49,8 @@ class SparseDDPStrategy(DDPStrategy):
         ddp_kwargs: keyword arguments of Lightning's ``DDPStrategy`` (e.g.
             ``{"find_unused_parameters": True}``).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
-            state's ``momentum_correction``, ``momentum_nesterov``, ``adam_correction`` and
-            ``density_warmup``.
+            state's ``momentum_correction``, ``momentum_nesterov``, ``adam_correction``,
+            ``density_warmup`` and ``one_exchange``.
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
     """
