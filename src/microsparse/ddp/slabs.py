@@ -333,7 +333,8 @@ class Slabs:
             slab = self._new_slab(arrived)
         places = [(self._arrived.where[id(p)][0], self._arrived.offset[id(p)]) for p in arrived]
         outputs = [self._pass_outputs[n] for n in range(self._buckets)]
-        key = (id(slab), tuple(places), tuple(id(o.data) for o in outputs))
+        # By memory, not object: DDP hands out a new tensor of the same bucket every pass.
+        key = (id(slab), tuple(places), tuple(o.data.data_ptr() for o in outputs))
         if self._spread is None or self._spread[0] != key:  # once after DDP's rebuild
             self._spread = (key, BucketsOutput(slab.layout, places, outputs))
         job = self._job(slab, _MODEL, spread=self._spread[1])
