@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import traceback
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessExitedException
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
@@ -20,24 +23,42 @@ def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: An
     rank's traceback.
     """
     tmp_path.mkdir(parents=True, exist_ok=True)
-    init = tmp_path / f"init-{os.getpid()}-{id(fn)}-{world_size}"
-    init.unlink(missing_ok=True)
-    mp.spawn(_worker, args=(world_size, str(init), str(tmp_path), fn, args), nprocs=world_size)
-    return [
-        torch.load(tmp_path / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)
-    ]
+    run = tmp_path / f"ranks-{uuid.uuid4().hex[:12]}"
+    run.mkdir()
+    try:
+        mp.spawn(_worker, args=(world_size, str(run), fn, args), nprocs=world_size)
+    except ProcessExitedException:
+        failures = sorted(run.glob("error-*.txt"))
+        if failures:
+            raise RuntimeError(failures[0].read_text(encoding="utf-8")) from None
+        raise
+    return [torch.load(run / f"result-{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _worker(
-    rank: int, world_size: int, init: str, out: str, fn: Callable[..., Any], args: tuple
-) -> None:
+def _worker(rank: int, world_size: int, run: str, fn: Callable[..., Any], args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
+    init = f"file://{Path(run, 'init')}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:
-        raise RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}") from None
-    # No rank may tear the group down while another still has collectives in flight.
+        report = f"rank {rank} failed:\n{traceback.format_exc()}"
+        Path(run, f"error-{rank}.txt").write_text(report, encoding="utf-8")
+        _exit(1)
+    torch.save(result, Path(run, f"result-{rank}.pt"))
+    # No rank may leave while another still has collectives in flight.
     dist.barrier()
-    dist.destroy_process_group()
-    torch.save(result, Path(out) / f"result-{rank}.pt")
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Leave without the interpreter's teardown.
+
+    Gloo's threads can still hold tensors (DDP's buckets, a hook's futures) when Python
+    finalizes; freeing them then takes the GIL from a dying interpreter and aborts the process
+    (SIGABRT, "terminate called without an active exception"), at random and more often under
+    load. Everything this rank had to say is on disk by now.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
