@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from microsparse.bench import costmodel, peermodel
+from microsparse.bench import costmodel, peermodel, simulate
 from microsparse.bench.capture import CaptureError, load_capture
 from microsparse.bench.workload import RESNET18_NUMEL, model_layout, variants
 from microsparse.cli import bench, main
@@ -145,8 +145,8 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
             {"sparsifier": name, "parameters": 4000, "density": density, "step_ms": 50.0,
              "compute_ms": 40.0, "select_ms": 1.0, "exchange_ms": 8.0, "other_ms": 1.0}
             for name, density in (("dense", 1.0), ("micro", 0.05), ("ddp", None), ("none", None))
-        ],
-    }]}))  # fmt: skip
+        ] + [{"sparsifier": "none@ddp", "step_ms": 55.0, "compute_ms": 45.0}],
+    }], "machine": {"cores": 1}}))  # fmt: skip
     select = tmp_path / "select.json"  # what `bench select` wrote, for micro at d = 4000
     select.write_text(json.dumps({
         "rows": [{"device": "cpu", "sparsifier": "micro", "numel": 4000, "world_size": 2,
@@ -191,7 +191,10 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
     assert [r["sparsifier"] for r in validated] == ["dense", "micro"]
     [peer] = result["validation"]["peer_rows"]
     assert peer["sparsifier"] == "ddp" and peer["local_ms"] == 0
-    assert peer["predicted_step_ms"] == pytest.approx(50.0 + peer["communication_ms"])
+    # The peers run through DDP: their base is DDP without an exchange, not the bound, and
+    # 2 hosts on the file's 1 core share it.
+    assert (peer["base"], peer["shared_cores"]) == ("none@ddp", 2.0)
+    assert peer["predicted_step_ms"] == pytest.approx(55.0 + peer["communication_ms"])
     assert peer["modelled_bytes"] == all_reduce_bytes(4 * RESNET18_NUMEL, 2)
     assert all(r["predicted_exchange_ms_probed"] > 0 for r in validated)
     micro = validated[1]
@@ -200,6 +203,10 @@ def test_simulate_predicts_and_validates_against_a_cluster_file(tmp_path):
         40.0 + 1.0 + 1.0 + micro["predicted_exchange_ms_probed"] + 3.5
     )
     markdown = (out / "simulate.md").read_text()
+    assert "| 2 | 1gbit | ddp |" in markdown
+    # A run of the peers and hooks alone still shows the peers' comparison.
+    alone = simulate.markdown_validation({**result["validation"], "rows": []})
+    assert "| 2 | 1gbit | ddp |" in alone and "none@ddp" in alone
     for label in labels:
         assert len(table_rows(markdown, label)) == 2 + 2  # simulation rows + one per rate
     assert (out / "simulate.png").stat().st_size > 0 and (out / "predict.png").stat().st_size > 0

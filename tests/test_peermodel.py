@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import run_ranks
-from microsparse.bench import peermodel, peers
+from microsparse.bench import peermodel, peers, peertime
 from microsparse.comm.collectives import all_reduce_bytes
 
 
@@ -167,9 +167,18 @@ def test_widened_shapes_keep_the_architecture():
 def test_local_arithmetic_is_timed_and_names_are_checked():
     shapes = [(64, 3, 3, 3), (64,), (10, 64), (10,)]
     assert peermodel.local_seconds("ddp", shapes, 2) == 0.0
-    assert peermodel.local_seconds("powersgd(rank=2)", shapes, 2) > 0
     assert peermodel.local_seconds("fp16", shapes, 2) > 0
     with pytest.raises(ValueError, match="not a peer"):
         peermodel.peer_collectives("micro", shapes, 2)
     with pytest.raises(ValueError, match="unknown"):
         peermodel.local_seconds("powersgd2", shapes, 2)
+
+
+def test_powersgd_is_timed_through_torchs_own_hook():
+    shapes = [(64, 3, 3, 3), (64,), (10, 64), (10,)]
+    timing = peertime.powersgd_seconds(shapes, rank=2, passes=3)
+    # torch's own count of what its hook all-reduced per pass once it compressed: the
+    # model's three all-reduces (the vectors raw, then P, then Q), entry for entry.
+    sizes = [size for _, size in peermodel.peer_collectives("powersgd(rank=2)", shapes, 2)]
+    assert timing.sent == sum(sizes) // 4 == 74 + (128 + 20) + (54 + 128)
+    assert timing.seconds >= 0

@@ -15,8 +15,8 @@ soon as backward has filled it:
 
 Buckets are DDP's: parameters in reverse order, a bucket closed once it holds at least its
 limit (the first 1 MiB when DDP's ``bucket_cap_mb`` is left at its default, 25 MiB after
-that). :func:`local_seconds` times the compression's own arithmetic on this machine (casts,
-PowerSGD's matrix products and orthogonalisation), which the network model cannot know.
+that). :func:`local_seconds` times the compression's own work on this machine (the casts;
+torch's PowerSGD hook end to end), which the network model cannot know.
 
 Example:
     >>> shapes = [(64, 3, 3, 3), (64,), (10, 64), (10,)]
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -160,12 +160,18 @@ def scaled_shapes(shapes: Sequence[Shape], numel: int) -> list[tuple[int, ...]]:
     return scaled
 
 
-def local_seconds(name: str, shapes: Sequence[Shape], world_size: int, repeats: int = 5) -> float:
-    """Median CPU seconds of the peer's own arithmetic for one step, on random gradients of
-    ``shapes``: nothing for ``ddp``; division and the casts for ``fp16``/``bf16``; for
-    PowerSGD the error-feedback add, M·Q, orthogonalising P, Mᵀ·P, the new residual and
-    the reconstruction P·Qᵀ of every compressed matrix (torch's ``powerSGD_hook`` minus its
-    collectives).
+def local_seconds(
+    name: str,
+    shapes: Sequence[Shape],
+    world_size: int,
+    repeats: int = 5,
+    threads: int | None = None,
+) -> float:
+    """Median seconds of the peer's own work for one step on this machine, on gradients of
+    ``shapes`` and ``threads`` torch threads (default: the caller's): nothing for ``ddp``;
+    division and the casts for ``fp16``/``bf16``; for PowerSGD, what torch's
+    ``powerSGD_hook`` adds to DDP's backward pass on one rank, end to end
+    (:mod:`microsparse.bench.peertime`; its work does not depend on n).
 
     Example:
         >>> local_seconds("ddp", [(10, 10)], 2)
@@ -176,56 +182,25 @@ def local_seconds(name: str, shapes: Sequence[Shape], world_size: int, repeats: 
         raise ValueError(f"{name!r} is not a peer; choose from {', '.join(peers.PEERS)}")
     if method.sparsifier == "ddp":
         return 0.0
+    threads = torch.get_num_threads() if threads is None else threads
+    if method.sparsifier == "powersgd":
+        from microsparse.bench.peertime import powersgd_seconds
+
+        return powersgd_seconds(shapes, method.rank, threads, passes=repeats).seconds
     generator = torch.Generator().manual_seed(0)
-    grads = [torch.randn(math.prod(shape), generator=generator) for shape in shapes]
-    if method.sparsifier in ("fp16", "bf16"):
-        flat = torch.cat(grads)
-        dtype = torch.float16 if method.sparsifier == "fp16" else torch.bfloat16
-
-        def run() -> None:
+    flat = torch.randn(sum(math.prod(shape) for shape in shapes), generator=generator)
+    dtype = torch.float16 if method.sparsifier == "fp16" else torch.bfloat16
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(repeats + 1):  # the first call warms the allocator and is left out
+            started = time.perf_counter()
             flat.copy_(flat.div(world_size).to(dtype))
-
-    else:
-        run = _powersgd_step(shapes, grads, method.rank, world_size, generator)
-    times = []
-    for _ in range(repeats + 1):  # the first call warms the allocator and is left out
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(before)
     return statistics.median(times[1:])
-
-
-def _powersgd_step(
-    shapes: Sequence[Shape],
-    grads: list[torch.Tensor],
-    rank: int,
-    world_size: int,
-    generator: torch.Generator,
-) -> Callable[[], None]:
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
-
-    work = []
-    for shape, grad in zip(shapes, grads):
-        factors = powersgd_factors(shape, rank)
-        if factors is not None:
-            rows = shape[0]
-            kept = factors[0] // rows
-            matrix = grad.view(rows, -1)
-            cols = matrix.shape[1]
-            q = torch.randn(cols, kept, generator=generator)
-            work.append((matrix, torch.zeros_like(matrix), q))
-
-    def run() -> None:
-        for matrix, residual, q in work:
-            compensated = matrix + residual
-            p = compensated @ q
-            _orthogonalize(p.unsqueeze(0))  # torch batches same-shaped matrices
-            q.copy_(compensated.t() @ p).div_(world_size)
-            approximation = p @ q.t()
-            residual.copy_(compensated - approximation)
-            matrix.copy_(approximation)
-
-    return run
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -292,11 +267,14 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
     """Compare the peers' model with ``microsparse bench cluster``'s ``results.json``.
 
     The peers run inside DDP's backward, so the test bed cannot time their exchange apart
-    from compute. Model step = the no-exchange row's (``none``) step + the peer's local
-    arithmetic (:func:`local_seconds`) + its collectives at the probed rate (nothing
-    hidden), and the overlapped bound = none's step − none's compute + max(none's compute
-    + local, collectives), except with one bucket (ready only when backward ends). The local
-    arithmetic is timed on the threads each test-bed worker had (cores // hosts). Bytes: the
+    from compute. Model step = the step of DDP without an exchange (the ``none@ddp`` row; the
+    ``none`` row where the run has none) + the peer's local work (:func:`local_seconds`) +
+    its collectives at the probed rate (nothing hidden), and the overlapped bound = that
+    base − its compute + max(its compute + local, collectives), except with one bucket (ready
+    only when backward ends). The local work is timed on the threads each test-bed worker had
+    (cores // hosts, at least 1). It is CPU-bound and runs on every worker at once, so where
+    the test bed has more workers' threads than cores it is stretched by hosts · threads /
+    cores (``shared_cores``; 1 where the file does not say how many cores it had). Bytes: the
     model's against the link counters.
     """
     from microsparse.bench import costmodel
@@ -306,15 +284,18 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
     model = MODELS[config.get("model", "resnet18")](config.get("seed", 1))  # type: ignore[union-attr]
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     local_ms: dict[tuple[str, int], float] = {}
-    cores = int(results.get("machine", {}).get("cores") or 1)  # type: ignore[union-attr]
+    cores = int(results.get("machine", {}).get("cores") or 0)  # type: ignore[union-attr]
     rows: list[dict[str, object]] = []
     for configuration in results.get("configurations", []):  # type: ignore[union-attr]
         n, probe = configuration["hosts"], configuration.get("probe", {})
         gbit = probe.get("wire_gbit_per_s") or probe.get("modelled_gbit_per_s")
-        bound = next((r for r in configuration["rows"] if r["sparsifier"] == "none"), None)
-        if not gbit or bound is None:
+        named = {r["sparsifier"]: r for r in configuration["rows"]}
+        base = named.get(peers.DDP_FLOOR) or named.get(peers.NO_EXCHANGE)
+        if not gbit or base is None:
             continue
         network = costmodel.Network.of(gbit, latency_us)
+        threads = max(1, cores // n)  # what each test-bed worker had (1 if not recorded)
+        shared = max(1.0, n * threads / cores) if cores else 1.0
         for row in configuration["rows"]:
             name = row["sparsifier"]
             try:
@@ -322,23 +303,15 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
                     continue
             except ValueError:
                 continue
-            threads = max(1, cores // n)  # what each test-bed worker had
             if (name, threads) not in local_ms:
-                before = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
-                    local_ms[name, threads] = 1e3 * local_seconds(name, shapes, n)
-                finally:
-                    torch.set_num_threads(before)
-            local = local_ms[name, threads]
+                local_ms[name, threads] = 1e3 * local_seconds(name, shapes, n, threads=threads)
+            local = local_ms[name, threads] * shared
             comm_ms = 1e3 * sum(
                 costmodel.collective_seconds(kind, size, n, network)
                 for kind, size in peer_collectives(name, shapes, n)
             )
-            serial = bound["step_ms"] + local + comm_ms
-            hidden = (
-                bound["step_ms"] - bound["compute_ms"] + max(bound["compute_ms"] + local, comm_ms)
-            )
+            serial = base["step_ms"] + local + comm_ms
+            hidden = base["step_ms"] - base["compute_ms"] + max(base["compute_ms"] + local, comm_ms)
             if peers.parse(name).one_bucket:
                 hidden = serial
             rows.append({
@@ -346,7 +319,9 @@ def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[s
                 "rate": configuration["rate"],
                 "sparsifier": name,
                 "measured_step_ms": row["step_ms"],
-                "bound_step_ms": bound["step_ms"],
+                "base": base["sparsifier"],
+                "base_step_ms": base["step_ms"],
+                "shared_cores": shared,
                 "local_ms": local,
                 "communication_ms": comm_ms,
                 "predicted_step_ms": serial,

@@ -492,9 +492,9 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
         f"{config.get('algorithms', 'ring')} collectives, "
         f"compute {config['compute_ms']:g} ms; local overhead: {prediction['overhead_source']}. "
         "Cells: step ms (of which communication; speed-up over dense). The peers run through "
-        "DDP: their local overhead is their own arithmetic (casts, PowerSGD's products) timed "
-        "here, and 'if hidden' is the bound where DDP overlaps all communication with the "
-        "backward pass.",
+        "DDP: their local overhead is their own work (the casts; torch's PowerSGD hook end to "
+        "end) timed here, and 'if hidden' is the bound where DDP overlaps all communication "
+        "with the backward pass.",
     ]
     for gbit in config["rates_gbit"]:
         rows = [r for r in prediction["rows"] if r["gbit_per_s"] == gbit]
@@ -522,8 +522,11 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
 
 def markdown_validation(validation: dict[str, Any]) -> str:
     rows = validation["rows"]
+    peer_rows = validation.get("peer_rows")
     if not rows:
-        return f"Validation: {validation['note']}"
+        if peer_rows:  # a run of the peers and the hook alone: no loop sparsifier to model
+            return markdown_peer_validation(peer_rows)
+        return f"Validation: {validation['note'] or 'no rows to compare'}"
     local = any("local_exchange_ms" in r for r in rows)
     headers = ["hosts", "link", "sparsifier", "exchange ms (measured)", "network model, nominal",
                "network model, probed"]  # fmt: skip
@@ -555,19 +558,19 @@ def markdown_validation(validation: dict[str, Any]) -> str:
         f"model step = measured compute + wait + select + other + modelled exchange).{source}"
         "\n\n" + markdown_table(headers, table)
     )
-    if validation.get("peer_rows"):
-        text += "\n\n" + markdown_peer_validation(validation["peer_rows"])
+    if peer_rows:
+        text += "\n\n" + markdown_peer_validation(peer_rows)
     return text
 
 
 def markdown_peer_validation(rows: list[dict[str, Any]]) -> str:
     """The peers' rows of the validation (:func:`peermodel.validate_peers`)."""
-    headers = ["hosts", "link", "peer", "step ms (measured)", "no-exchange step", "local ms",
+    headers = ["hosts", "link", "peer", "step ms (measured)", "base", "base step", "local ms",
                "collectives ms (probed)", "model: nothing hidden", "model: all hidden",
                "model / measured", "MB (model)", "MB (wire)"]  # fmt: skip
     table = [
-        [r["hosts"], r["rate"], r["sparsifier"], significant(r["measured_step_ms"]),
-         significant(r["bound_step_ms"]), significant(r["local_ms"]),
+        [r["hosts"], r["rate"], r["sparsifier"], significant(r["measured_step_ms"]), r["base"],
+         significant(r["base_step_ms"]), significant(r["local_ms"]),
          significant(r["communication_ms"]), significant(r["predicted_step_ms"]),
          significant(r["overlapped_step_ms"]), significant(r["step_ratio"], 2),
          significant(r["modelled_bytes"] / 1e6),
@@ -575,9 +578,11 @@ def markdown_peer_validation(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]  # fmt: skip
     return (
-        "The peers through DDP (model step = the no-exchange row's step + the peer's own "
-        "arithmetic, timed here on the threads each worker had + its collectives at the "
-        "probed rate; 'all hidden' overlaps the collectives with compute, except for one "
+        "The peers through DDP (model step = the base row's step (DDP without an exchange, "
+        "`none@ddp`, or `none` where the run has no such row) + the peer's own work, timed "
+        "here on the threads each worker had and stretched by hosts · threads / cores where "
+        "the test bed shares its cores + its collectives at the probed rate; 'all hidden' "
+        "overlaps the collectives with compute, except for one "
         "bucket):\n\n" + markdown_table(headers, table)
     )
 
