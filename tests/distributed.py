@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 import uuid
 from collections.abc import Callable
@@ -14,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessExitedException
+
+from microsparse.training.launch import leave_process
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any) -> list[Any]:
@@ -44,21 +44,8 @@ def _worker(rank: int, world_size: int, run: str, fn: Callable[..., Any], args: 
     except BaseException:
         report = f"rank {rank} failed:\n{traceback.format_exc()}"
         Path(run, f"error-{rank}.txt").write_text(report, encoding="utf-8")
-        _exit(1)
+        leave_process(1)
     torch.save(result, Path(run, f"result-{rank}.pt"))
     # No rank may leave while another still has collectives in flight.
     dist.barrier()
-    _exit(0)
-
-
-def _exit(code: int) -> None:
-    """Leave without the interpreter's teardown.
-
-    Gloo's threads can still hold tensors (DDP's buckets, a hook's futures) when Python
-    finalizes; freeing them then takes the GIL from a dying interpreter and aborts the process
-    (SIGABRT, "terminate called without an active exception"), at random and more often under
-    load. Everything this rank had to say is on disk by now.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave_process(0)  # every result is on disk by now

@@ -36,6 +36,8 @@ from multiprocessing.connection import Connection
 import torch
 from torch import nn
 
+from microsparse.training.launch import leave_process
+
 WARMUP = 3
 """Untimed passes: DDP rebuilds its buckets after the first, PowerSGD compresses from the third."""
 START = 2
@@ -123,20 +125,17 @@ def _child(
     except BaseException:
         send.send(("error", traceback.format_exc()))
     send.close()
-    # Leave without the interpreter's teardown, which can abort while gloo's threads still
-    # hold tensors; the answer is sent.
-    os._exit(0)
+    leave_process(0)
 
 
 def _time(
     shapes: list[tuple[int, ...]], rank: int, threads: int, passes: int, directory: str
 ) -> HookTiming:
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
+    from microsparse.bench import peers
     from microsparse.bench.peermodel import ONE_BUCKET_BYTES
-    from microsparse.bench.peers import unchanged_hook
 
     if hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
@@ -144,14 +143,11 @@ def _time(
     torch.set_num_threads(max(1, threads))
     init = f"file://{os.path.join(directory, 'init')}"
     dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+    # The floor in one bucket too, as the hooked model has.
     floor = DistributedDataParallel(_Gradients(shapes), bucket_cap_mb=ONE_BUCKET_BYTES >> 20)
-    floor.register_comm_hook(None, unchanged_hook)
-    hooked = DistributedDataParallel(_Gradients(shapes), bucket_cap_mb=ONE_BUCKET_BYTES >> 20)
-    state = powerSGD_hook.PowerSGDState(
-        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=START,
-        use_error_feedback=True, warm_start=True,
-    )  # fmt: skip
-    hooked.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    floor.register_comm_hook(None, peers.unchanged_hook)
+    method = peers.parse(f"powersgd(rank={rank})")
+    hooked, state = peers.attach(method, _Gradients(shapes), density=1.0, start=START)
     times: dict[str, list[float]] = {"floor": [], "hooked": []}
     for number in range(WARMUP + passes):
         for name, model in (("floor", floor), ("hooked", hooked)):
@@ -164,4 +160,5 @@ def _time(
                 times[name].append(elapsed)
     added = statistics.median(times["hooked"]) - statistics.median(times["floor"])
     _, _, sent = state.compression_stats()  # summed over every pass from START on
-    return HookTiming(seconds=max(0.0, added), sent=int(sent) // (WARMUP + passes - START))
+    compressed = WARMUP + passes - state.start_powerSGD_iter
+    return HookTiming(seconds=max(0.0, added), sent=int(sent) // compressed)

@@ -126,13 +126,21 @@ def _spawned(
     except BaseException as error:
         errors.put((local_rank, _describe(local_rank, error, config.timeout)))
         raise
-    # Leave without the interpreter's teardown: gloo's threads can still hold tensors when
-    # Python finalizes, and freeing them then aborts the process (SIGABRT, "terminate called
-    # without an active exception") at random under load, failing a run that had finished.
-    # Every file of the run is closed by now.
+    leave_process(0)  # every file of the run is closed by now
+
+
+def leave_process(code: int) -> None:
+    """End this worker process with ``code`` at once, without the interpreter's teardown.
+
+    Gloo's threads can still hold tensors (DDP's buckets, a hook's futures) when Python
+    finalizes; freeing them then takes the GIL from a dying interpreter and aborts the
+    process (SIGABRT, "terminate called without an active exception") at random, more often
+    under load, failing a worker that had finished. Call it once everything the process had
+    to say is written.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _run_rank(
