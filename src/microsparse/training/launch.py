@@ -126,7 +126,6 @@ def _spawned(
     except BaseException as error:
         errors.put((local_rank, _describe(local_rank, error, config.timeout)))
         raise
-    leave_process(0)  # every file of the run is closed by now
 
 
 def leave_process(code: int) -> None:
@@ -136,7 +135,9 @@ def leave_process(code: int) -> None:
     finalizes; freeing them then takes the GIL from a dying interpreter and aborts the
     process (SIGABRT, "terminate called without an active exception") at random, more often
     under load, failing a worker that had finished. Call it once everything the process had
-    to say is written.
+    to say is written. ``microsparse train``'s own workers do not use it: skipping the
+    teardown there leaves tqdm's lock to the resource tracker, which warns of a leaked
+    semaphore at the end of every run.
     """
     sys.stdout.flush()
     sys.stderr.flush()
