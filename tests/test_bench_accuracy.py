@@ -32,6 +32,11 @@ def test_each_method_becomes_the_train_options_that_mean_it():
     assert "--threshold-rule" in reference and "as_coded" in reference
     peer = train_arguments("powersgd(rank=4)", config)
     assert peer[4:8] == ["--integration", "ddp", "--ddp-hook", "powersgd(rank=4)"]
+    own = train_arguments("micro(selection=threshold,density=0.03)@ddp", config)
+    assert own[2:10] == [
+        "--density", "0.03", "--sparsifier", "micro", "--integration", "ddp",
+        "--selection", "threshold",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -42,6 +47,8 @@ def test_each_method_becomes_the_train_options_that_mean_it():
         ({"methods": ("dense", "none@ddp")}, "'none@ddp' trains no model"),
         ({"methods": ("dense", "micro@ddp(buckets=one)")}, "a bench cluster option"),
         ({"methods": ("dense", "nope")}, "unknown"),
+        ({"methods": ("dense", "micro(density=0)@ddp")}, r"density must be a number in \(0, 1\]"),
+        ({"methods": ("dense", "fp16(density=0.1)")}, r"fp16 takes no option \['density'\]"),
         ({"hosts": 1}, "hosts must be at least 2"),
         ({"target_fraction": 1.5}, "target_fraction"),
     ],

@@ -7,6 +7,7 @@ elsewhere. None of them asserts on speed: this is a benchmark, its numbers are n
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -78,7 +79,8 @@ def processes_mentioning(text: str) -> list[int]:
 def test_tiny_run_writes_well_formed_results_and_leaves_no_namespace(tmp_path, capsys):
     out = tmp_path / "bench"
     options = (
-        "--hosts 2 --rates 1gbit --sparsifiers micro,micro@ddp(buckets=one),none@ddp,none "
+        "--hosts 2 --rates 1gbit --sparsifiers micro(density=0.01),micro@ddp(buckets=one),"
+        "none@ddp,none "
         "--model tiny --steps 2 --warmup 1"
     )
     code = main(["bench", "cluster", *options.split(), "--out", str(out)])
@@ -103,7 +105,7 @@ def test_tiny_run_writes_well_formed_results_and_leaves_no_namespace(tmp_path, c
     assert probe["nominal_gbit_per_s"] == 1 and probe["seconds"] > 0
     # The link's counter works (it may lag the all-reduce by what still waits in the qdisc).
     assert probe["wire_bytes"] > 0.5 * probe["modelled_bytes"] > 0
-    names = ["micro", "micro@ddp(buckets=one)", "none@ddp", "none"]
+    names = ["micro(density=0.01)", "micro@ddp(buckets=one)", "none@ddp", "none"]
     assert [row["sparsifier"] for row in measured["rows"]] == names
     for row in measured["rows"]:
         assert row["steps"] == 2 and row["step_ms"] > 0
@@ -111,12 +113,16 @@ def test_tiny_run_writes_well_formed_results_and_leaves_no_namespace(tmp_path, c
     micro, hook, floor, bound = measured["rows"]
     assert micro["modelled_bytes_per_step"] > 0 and micro["wire_bytes_per_step"] > 0
     assert hook["modelled_bytes_per_step"] > 0 and hook["density"] > 0
+    # The loop row selects at its name's density, the hook at the run's (--density 0.001).
+    numel = micro["parameters"]
+    assert micro["density"] == math.floor(0.01 * numel) / numel
+    assert hook["density"] == math.floor(0.001 * numel) / numel
     assert floor["modelled_bytes_per_step"] == 0 and floor["over_ddp_floor"] == 1
     assert bound["modelled_bytes_per_step"] == 0 and bound["over_bound"] == 1
     assert bound["select_ms"] == bound["exchange_ms"] == 0
 
     table = (out / "results.md").read_text()
-    assert "| 2 | 1gbit | micro |" in table and "| 2 | 1gbit | none |" in table
+    assert "| 2 | 1gbit | micro(density=0.01) |" in table and "| 2 | 1gbit | none |" in table
     assert "Gbit/s" in table and "[2 hosts, 1gbit] link probe" in stdout
     assert (out / "raw" / "hosts2-1gbit.json").is_file()
     assert sorted(p.name for p in (out / "logs").iterdir()) == [

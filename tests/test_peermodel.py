@@ -109,19 +109,23 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
     whether ``none@ddp`` leaves every rank with its own gradient."""
     torch.manual_seed(rank)
     images = torch.randn(4, 3, 8, 8)
-    slabs = {}
-    for name in ("micro@ddp", "micro@ddp(buckets=one)", "micro@ddp(exchange=one)"):
+    slabs, targets = {}, {}
+    names = ("micro@ddp", "micro@ddp(buckets=one)", "micro@ddp(exchange=one)",
+             "micro(density=0.05)@ddp")  # fmt: skip
+    for name in names:
         ddp, state = peers.attach(peers.parse(name), small_model(), density=0.01, start=2)
         for _ in range(3):  # past DDP's bucket rebuild
             ddp(images).square().sum().backward()
         slabs[name] = state.last_step.extra["slabs"]
+        targets[name] = (state.last_step.target, state.last_step.selected)
     local = small_model()
     local(images).square().sum().backward()
     ddp, state = peers.attach(peers.parse("none@ddp"), small_model(), density=0.01, start=2)
     ddp(images).square().sum().backward()
     own = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), local.parameters()))
     dist.barrier()
-    return {"slabs": slabs, "own_gradient": own, "floor_state": state}
+    return {"slabs": slabs, "targets": targets, "own_gradient": own, "floor_state": state,
+            "numel": sum(p.numel() for p in local.parameters())}  # fmt: skip
 
 
 def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
@@ -130,7 +134,12 @@ def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
             "micro@ddp": 2,
             "micro@ddp(buckets=one)": 1,
             "micro@ddp(exchange=one)": 1,
+            "micro(density=0.05)@ddp": 2,
         }
+        # The slabs' shares add up to k of the name's own density, not the run's 0.01.
+        k = math.floor(0.05 * result["numel"])
+        assert result["targets"]["micro(density=0.05)@ddp"] == (k, k)
+        assert result["targets"]["micro@ddp"] == (math.floor(0.01 * result["numel"]),) * 2
         assert result["own_gradient"] and result["floor_state"] is None
 
 
@@ -145,6 +154,8 @@ def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
         ("micro@ddp(buckets=one", "unbalanced parentheses"),
         ("fp16@ddp", "always runs through DDP"),
         ("nope@ddp", "none@ddp"),  # the choices name the floor
+        ("micro(density=1.5)@ddp", "density must be a number in \\(0, 1\\]"),
+        ("powersgd(density=0.1)", "powersgd takes no option \\['density'\\]"),
     ],
 )
 def test_bad_method_names_are_refused_naming_the_fix(name, message):

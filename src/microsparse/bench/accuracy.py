@@ -87,7 +87,7 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
     """``microsparse train`` options of method ``name`` (task, density, seed and how the
     gradients are averaged), before ``config.train_args``."""
     method = peers.parse(name)
-    argv = ["--task", config.task, "--density", repr(config.density)]
+    argv = ["--task", config.task, "--density", repr(method.density_or(config.density))]
     if method.kind == "peer":
         argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
     else:

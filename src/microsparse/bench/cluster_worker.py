@@ -218,8 +218,8 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
     reducer, trained, state = None, model, None
     if method.kind == "loop":
-        reducer = GradientReducer(model.named_parameters(), method.sparsifier, args.density,
-                                  **method.options)  # fmt: skip
+        reducer = GradientReducer(model.named_parameters(), method.sparsifier,
+                                  method.density_or(args.density), **method.options)  # fmt: skip
     elif method.uses_ddp:
         trained, state = peers.attach(method, model, args.density, args.warmup)
     settle = reducer is not None and args.threshold_start == "settled" and needs_settling(reducer)

@@ -26,10 +26,15 @@ A method name is one of:
 - ``NAME@ddp(exchange=one)``: microsparse's hook with ``one_exchange=True`` on DDP's own
   buckets: the same single exchange after backward, without touching ``bucket_cap_mb``.
 
+A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the run's
+``--density``: so one run (one dense target, the same links) compares densities side by side.
+
 Example:
     >>> method = parse("micro(selection=threshold)@ddp")
     >>> method.kind, method.sparsifier, method.options
     ('hook', 'micro', {'selection': 'threshold'})
+    >>> parse("micro(density=0.03)@ddp").density_or(0.001), parse("micro").density_or(0.001)
+    (0.03, 0.001)
     >>> parse("powersgd(rank=4)").rank, parse("powersgd").one_bucket
     (4, True)
     >>> parse("powersgd(rank=4,start=100)").start
@@ -42,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +78,11 @@ class Method:
     one_bucket: bool = False  # DDP with one bucket holding the whole model
     start: int | None = None  # PowerSGD's plain all-reduce steps, if the name sets them
     one_exchange: bool = False  # the hook's one_exchange: one slab whatever DDP's buckets
+    density: float | None = None  # the name's own density (``micro(density=0.03)``), if any
+
+    def density_or(self, default: float) -> float:
+        """The density this method selects at: the name's own, else ``default`` (the run's)."""
+        return default if self.density is None else self.density
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
@@ -119,8 +130,9 @@ def parse(name: str) -> Method:
             start = _whole(name, "start", start, 2)
         one_bucket = label == "powersgd" and options.get("buckets", "one") == "one"
         return Method(name, "peer", label, {}, rank, one_bucket, start)
+    base, density = _own_density(name, base)
     try:
-        (variant,) = find_variants((base,))
+        (variant,) = find_variants((base,), density or 0.001)
     except ValueError:
         choices = (*available_sparsifiers(), "micro-reference", *PEERS, NO_EXCHANGE, DDP_FLOOR)
         raise ValueError(
@@ -129,7 +141,24 @@ def parse(name: str) -> Method:
         ) from None
     kind = "hook" if hooked else "loop"
     return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
-                  one_exchange=one_exchange)  # fmt: skip
+                  one_exchange=one_exchange, density=density)  # fmt: skip
+
+
+def _own_density(name: str, base: str) -> tuple[str, float | None]:
+    """``base`` without its ``density=`` option, and that density (None if it has none)."""
+    label, _, arguments = base.partition("(")
+    options = _arguments(name, arguments)
+    if "density" not in options:
+        return base, None
+    text = options.pop("density")
+    try:
+        density = float(text)
+    except ValueError:
+        density = math.nan
+    if not 0 < density <= 1:
+        raise ValueError(f"method {name!r}: density must be a number in (0, 1], got {text!r}")
+    rest = ",".join(f"{key}={value}" for key, value in options.items())
+    return (f"{label}({rest})" if rest else label), density
 
 
 def _whole(name: str, key: str, text: str, least: int) -> int:
@@ -176,8 +205,8 @@ def attach(
     if method.kind == "floor":
         ddp.register_comm_hook(None, unchanged_hook)
     elif method.kind == "hook":
-        state = mddp.SparseState(method.sparsifier, density, one_exchange=method.one_exchange,
-                                 **method.options)  # fmt: skip
+        state = mddp.SparseState(method.sparsifier, method.density_or(density),
+                                 one_exchange=method.one_exchange, **method.options)  # fmt: skip
         ddp.register_comm_hook(state, mddp.sparse_hook)
     elif method.sparsifier == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

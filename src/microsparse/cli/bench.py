@@ -76,7 +76,8 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         default=None,
         help=f"methods: a sparsifier ({', '.join(names)}) for the loop API, NAME@ddp for the "
         "DDP hook (NAME@ddp(buckets=one): with one DDP bucket; NAME@ddp(exchange=one): one "
-        "exchange after DDP's last bucket), or a peer: ddp, fp16, bf16, "
+        "exchange after DDP's last bucket; NAME(density=D) selects at D instead of "
+        "--density), or a peer: ddp, fp16, bf16, "
         "powersgd(rank=R); none@ddp (DDP's own cost, no exchange) and none (the no-exchange "
         f"bound) (default: {_join(default_sparsifiers())}; quick {_join(QUICK['sparsifiers'])})",
     )

@@ -33,7 +33,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         help=f"link rates, tc syntax (default {','.join(full.rates)})")  # fmt: skip
     add("--methods", type=bench_options.methods, default=full.methods,
         help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
-        f"bf16, powersgd(rank=R) (default {','.join(full.methods)})")  # fmt: skip
+        "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density "
+        f"(default {','.join(full.methods)})")  # fmt: skip
     add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
     add("--seed", type=int, default=full.seed, help="(default: %(default)s)")
     add("--target-fraction", type=arguments.positive_float, default=full.target_fraction,
