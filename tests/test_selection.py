@@ -25,7 +25,7 @@ def streams() -> list[tuple[str, torch.Tensor]]:
             ("ties", ties)]  # fmt: skip
 
 
-@pytest.mark.parametrize("quota", [1, 7, 200, 3_000, 30_000])
+@pytest.mark.parametrize("quota", [1, 7, 200, 3_000, 8_000, 30_000])  # 8,000: from entries
 def test_largest_finder_is_exact_topk(quota: int) -> None:
     finder = LargestFinder(size=200_003, seed=quota)
     for name, values in streams():

@@ -208,27 +208,27 @@ class Candidates:
         :meth:`maxima` of this same ``magnitude`` if already computed."""
         size = magnitude.numel()
         if maxima is None and (not self._sparse or size < self.SMALL):
-            found = _passing(magnitude, threshold)
+            found = passing(magnitude, threshold)
         else:
             if maxima is None:
                 maxima = self.maxima(magnitude)
-            hit = _passing(maxima, threshold)
+            hit = passing(maxima, threshold)
             # First entry of each hit block, then its DEPTH entries LANES apart.
             first = torch.div(hit, self.LANES, rounding_mode="floor").mul_(self.CHUNK).add_(
                 hit % self.LANES
             )
             entries = (first.unsqueeze(1) + self._depth).view(-1)
-            inside = _passing(magnitude.index_select(0, entries), threshold)
+            inside = passing(magnitude.index_select(0, entries), threshold)
             found = entries.index_select(0, inside)
             covered = maxima.numel() // self.LANES * self.CHUNK
             if covered < size:  # after the last full chunk
-                tail = _passing(magnitude[covered:], threshold).add_(covered)
+                tail = passing(magnitude[covered:], threshold).add_(covered)
                 found = torch.cat([found, tail])
         self._sparse = found.numel() < self.SPARSE * max(size, 1)
         return found
 
 
-def _passing(values: torch.Tensor, threshold: float) -> torch.Tensor:
+def passing(values: torch.Tensor, threshold: float) -> torch.Tensor:
     """Positions of ``values`` (1-D) that are >= ``threshold`` or NaN, ascending."""
     return torch.nonzero(~(values < threshold)).squeeze(1)
 

@@ -12,6 +12,12 @@ exact top-q over those is cheap. If the edge was too high (fewer than q candidat
 next try takes a sample rank four times larger (a compare over the maxima only), ending in an
 exact top-q over everything. The result is the exact top-q whatever the sample: the sample
 only decides the cost.
+
+When q is so large that nearly every block holds one of the q largest (q·32 near the length,
+as MiCRO's share at a density of a few per cent), the block maxima cannot bracket the q-th
+largest. The edge is then taken from a sample of the entries themselves, fixed positions
+drawn once: the j-th largest of s sampled entries has about j·d/s entries at or above it, and
+one compare of every entry against it leaves a little more than q candidates.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import math
 
 import torch
 
-from microsparse.sparsifiers.base import Candidates
+from microsparse.sparsifiers.base import Candidates, passing
 
 SAMPLE = 4096
 """Entries sampled per call (fixed positions, drawn once)."""
@@ -61,6 +67,9 @@ class LargestFinder:
         blocks = max(1, size // Candidates.CHUNK * Candidates.LANES)
         count = min(SAMPLE, blocks)
         self._sample = torch.randint(blocks, (count,), generator=generator).sort().values
+        entries = torch.randint(max(1, size), (min(SAMPLE, max(1, size)),), generator=generator)
+        self._entries = entries.sort().values
+        self._entries_size, self._entries_below = -1, self._entries
         self._candidates = Candidates()
         self._taken: torch.Tensor | None = None
         self._sample_size, self._sample_below = -1, self._sample
@@ -83,10 +92,31 @@ class LargestFinder:
         maxima = self._candidates.maxima(magnitude)
         sample = maxima.index_select(0, self._within(maxima.numel()))
         rank = sample_rank(quota, maxima.numel(), sample.numel())
+        if rank > sample.numel():  # a share in nearly every block: bracket from the entries
+            return self._from_entries(magnitude, quota)
         while rank <= sample.numel():
             edge = torch.topk(sample, rank, sorted=False).values.min().item()
             if edge > 0 or math.isnan(edge):
                 found = self._candidates.at_least(magnitude, edge, maxima)
+                if found.numel() >= quota:
+                    return self._top(magnitude, found, quota)
+            rank *= 4
+        return self._top(magnitude, None, quota)
+
+    def _from_entries(self, magnitude: torch.Tensor, quota: int) -> torch.Tensor:
+        """Top-``quota`` with the edge taken from sampled entries: one compare of every entry."""
+        size = magnitude.numel()
+        if self._entries.device != magnitude.device:
+            self._entries, self._entries_size = self._entries.to(magnitude.device), -1
+        if self._entries_size != size:
+            self._entries_below = self._entries[self._entries < size]
+            self._entries_size = size
+        sample = magnitude.index_select(0, self._entries_below)
+        rank = sample_rank(quota, size, sample.numel())
+        while rank <= sample.numel():
+            edge = torch.topk(sample, rank, sorted=False).values.min().item()
+            if edge > 0 or math.isnan(edge):
+                found = passing(magnitude, edge)
                 if found.numel() >= quota:
                     return self._top(magnitude, found, quota)
             rank *= 4
