@@ -329,4 +329,7 @@ def test_overhead_times_both_drivers_and_the_loopback_ratio(tmp_path):
         assert row["quota_count"] == row["reference_count"] == 70 // row["world_size"]
     (loop,) = result["loopback"]["rows"]
     assert loop["sparsifier"] == "micro" and loop["cpu_ratio"] > 0
-    assert "× all-reduce CPU" in (out / "overhead.md").read_text()
+    rounds = result["loopback"]["rounds"]
+    assert rounds["index_round_wall_ms"] > 0 and rounds["value_round_wall_ms"] > 0
+    text = (out / "overhead.md").read_text()
+    assert "× all-reduce CPU" in text and "the index all-gather" in text

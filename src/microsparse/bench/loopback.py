@@ -5,7 +5,12 @@ own synthetic gradient. Alternating, with a barrier before each, it times
 
 - a plain ``dist.all_reduce`` of the whole flat gradient (what DDP does, bucketed), and
 - ``GradientReducer.synchronize()`` of each sparsifier variant, with every ``p.grad`` set to a
-  fresh tensor first (as after ``zero_grad()`` and backward),
+  fresh tensor first (as after ``zero_grad()`` and backward), and
+- the first variant's two rounds alone, at the sizes its step sent once warmed up: the
+  all-gather of its index message and the all-reduce of its values. A step of MiCRO needs
+  both, one after the other (the values are summed at positions the indices name), where a
+  dense all-reduce is one round; with many ranks on few cores a round's latency, not its
+  bytes, can decide,
 
 in process CPU time (user + system, gloo's threads included: the work, not the scheduler, on
 an oversubscribed machine) and wall time. Reports medians per rank and their ratio to the
@@ -31,6 +36,10 @@ import torch.multiprocessing as mp
 
 from microsparse import GradientReducer
 from microsparse.bench.workload import RESNET18_NUMEL, model_layout, synthetic_gradient
+from microsparse.comm import Collective, ProcessGroupCollectives
+from microsparse.comm.collectives import index_dtype
+from microsparse.comm.framing import Fixed
+from microsparse.stats import StepStats
 
 REFERENCE = {"selection": "threshold", "threshold_rule": "as_coded",
              "partitioning": "contiguous", "index_message": "padded"}  # fmt: skip
@@ -67,11 +76,16 @@ def run(config: LoopbackConfig) -> dict[str, Any]:
             "cpu_ratio": cpu,
             "wall_ratio": wall,
         })  # fmt: skip
-    dense = {
-        "all_reduce_cpu_ms": 1e3 * statistics.median(r["all_reduce"]["cpu"] for r in ranks),
-        "all_reduce_wall_ms": 1e3 * statistics.median(r["all_reduce"]["wall"] for r in ranks),
-    }
-    return {"config": asdict(config), "dense": dense, "rows": rows, "per_rank": ranks}
+    def medians(*names: str) -> dict[str, float]:
+        return {
+            f"{name}_{clock}_ms": 1e3 * statistics.median(r[name][clock] for r in ranks)
+            for name in names
+            for clock in ("cpu", "wall")
+        }
+
+    return {"config": asdict(config), "dense": medians("all_reduce"),
+            "rounds": medians("index_round", "value_round"), "rows": rows,
+            "per_rank": ranks}  # fmt: skip
 
 
 def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
@@ -104,6 +118,11 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
     works = {"all_reduce": all_reduce, **{n: synchronize(r) for n, r in reducers.items()}}
     samples: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "wall": []} for n in works}
     for round_index in range(config.warmup + config.repeats):
+        if round_index == config.warmup:  # the first variant's step sizes are known now
+            first = next(iter(reducers.values())).last_step
+            assert first is not None
+            works.update(_bare_rounds(first))
+            samples.update({n: {"cpu": [], "wall": []} for n in ("index_round", "value_round")})
         for name, work in works.items():
             for p, g in zip(params, fresh):
                 p.grad = g
@@ -125,6 +144,22 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
     dist.destroy_process_group()
     if rank == 0:
         torch.save(gathered, out)
+
+
+def _bare_rounds(stats: StepStats) -> dict[str, Any]:
+    """The index all-gather and the value all-reduce of a step like ``stats``, alone."""
+    comm = ProcessGroupCollectives()
+    slots = Fixed.header_slots + stats.max_local_selected
+    message = torch.zeros(slots, dtype=index_dtype(stats.numel))
+    values = torch.zeros(stats.selected)
+
+    def index_round() -> None:
+        comm.run(Collective("all_gather", message, "indices"))
+
+    def value_round() -> None:
+        comm.run(Collective("all_reduce", values, "values"))
+
+    return {"index_round": index_round, "value_round": value_round}
 
 
 if __name__ == "__main__":  # python -m microsparse.bench.loopback [numel] [repeats] [names]

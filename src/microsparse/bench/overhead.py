@@ -14,7 +14,8 @@ For each d and n, one thread, process CPU time, median of repeated calls:
 
 all in units of one read pass over d floats (``a.sum()``) and, at n = 1, of ``torch.topk``.
 Then ``microsparse.bench.loopback``: n gloo ranks on loopback, one ``synchronize()`` against
-a dense all-reduce of the same gradient, in CPU time.
+a dense all-reduce of the same gradient, in CPU time, and MiCRO's two rounds (index
+all-gather, value all-reduce) alone at its step's sizes, in wall time.
 
 Example:
     >>> result = run(OverheadConfig(sizes=(100_000,), partitions=(1, 4)))  # doctest: +SKIP
@@ -224,6 +225,16 @@ def markdown(result: dict[str, Any]) -> str:
               significant(r["synchronize_wall_ms"]), f"{r['wall_ratio']:.2f}"]
              for r in loop["rows"]],
         ), ""]  # fmt: skip
+        if "rounds" in loop:  # an overhead.json older than the round timing has none
+            rounds, first = loop["rounds"], loop["rows"][0]["sparsifier"]
+            parts += [
+                f"{first}'s two rounds alone, at its step's sizes, wall: the index all-gather "
+                f"{significant(rounds['index_round_wall_ms'])} ms, the value all-reduce "
+                f"{significant(rounds['value_round_wall_ms'])} ms, against one dense all-reduce's "
+                f"{significant(dense['all_reduce_wall_ms'])} ms (with more ranks than cores a "
+                "round costs its latency, whatever its size).",
+                "",
+            ]
     return "\n".join(parts)
 
 
