@@ -84,6 +84,7 @@ def test_a_worker_killed_under_torchrun_resumes_exactly(tmp_path) -> None:
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     first = _elastic_run(whole, kill_after=None)
     assert "no checkpoint in" in first and "starting a fresh run" in first
+    assert "leaked semaphore" not in first, first[-2000:]
     restarted = _elastic_run(broken, kill_after=10)
     # A worker really died and torchrun restarted the job. torchrun names the first failed
     # worker it finds: rank 1 (SIGKILL, -9) or rank 0, which may abort (-6) on the lost peer first.

@@ -76,6 +76,7 @@ def run(config: LoopbackConfig) -> dict[str, Any]:
             "cpu_ratio": cpu,
             "wall_ratio": wall,
         })  # fmt: skip
+
     def medians(*names: str) -> dict[str, float]:
         return {
             f"{name}_{clock}_ms": 1e3 * statistics.median(r[name][clock] for r in ranks)

@@ -8,8 +8,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
 from microsparse.cli import bench, compare, report, simulate, train
+from microsparse.training.launch import leave_process, torchrun_env
 
 COMMANDS = [train, compare, report, simulate, bench]
 """Modules with ``add_parser(commands)``; the parser they add sets ``run(args, parser)``."""
@@ -25,6 +28,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.run(args, args.parser)
+
+
+def entry() -> NoReturn:
+    """The ``microsparse`` program (and ``python -m microsparse``): :func:`main`, then exit.
+
+    Under torchrun this process was a rank and ran a gloo process group itself; it ends
+    without the interpreter's teardown, which can abort a worker that had finished
+    (:func:`~microsparse.training.launch.leave_process`).
+    """
+    code = main()
+    if torchrun_env() is not None:
+        leave_process(code)
+    sys.exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:

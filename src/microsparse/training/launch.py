@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.queues import SimpleQueue
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessRaisedException
+from tqdm import tqdm
 
 from microsparse.training.config import TrainConfig
 from microsparse.training.loop import train
@@ -126,6 +128,7 @@ def _spawned(
     except BaseException as error:
         errors.put((local_rank, _describe(local_rank, error, config.timeout)))
         raise
+    leave_process(0)  # every file of the run is closed by now
 
 
 def leave_process(code: int) -> None:
@@ -135,9 +138,10 @@ def leave_process(code: int) -> None:
     finalizes; freeing them then takes the GIL from a dying interpreter and aborts the
     process (SIGABRT, "terminate called without an active exception") at random, more often
     under load, failing a worker that had finished. Call it once everything the process had
-    to say is written. ``microsparse train``'s own workers do not use it: skipping the
-    teardown there leaves tqdm's lock to the resource tracker, which warns of a leaked
-    semaphore at the end of every run.
+    to say is written. ``microsparse train``'s workers leave this way (spawned ones from
+    :func:`launch`, torchrun's from the ``microsparse`` program); their progress bar takes a
+    thread lock (:func:`_run_rank`), as a multiprocessing one would be left to the resource
+    tracker, which warns of a leaked semaphore.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -164,6 +168,9 @@ def _run_rank(
     if config.device == "cuda":
         torch.cuda.set_device(local_rank)
         backend = "nccl"
+    # One bar per process needs no lock across processes, and tqdm's default one (a
+    # multiprocessing lock) would outlive a worker that ends without the teardown.
+    tqdm.set_lock(threading.RLock())
     _init_process_group(backend, init_method, rank, world_size, config.timeout)
     try:
         train(config, local_rank, data)
