@@ -333,3 +333,12 @@ def test_overhead_times_both_drivers_and_the_loopback_ratio(tmp_path):
     assert rounds["index_round_wall_ms"] > 0 and rounds["value_round_wall_ms"] > 0
     text = (out / "overhead.md").read_text()
     assert "× all-reduce CPU" in text and "the index all-gather" in text
+
+
+def test_loopback_needs_a_warm_up_step_to_size_the_bare_rounds():
+    from microsparse.bench.loopback import LoopbackConfig
+
+    with pytest.raises(ValueError, match="warmup: must be at least 1"):
+        LoopbackConfig(warmup=0)
+    with pytest.raises(ValueError, match="repeats: must be at least 1"):
+        LoopbackConfig(repeats=0)

@@ -57,6 +57,12 @@ class LoopbackConfig:
     )
     """label -> GradientReducer options; ``sparsifier`` among them names another than MiCRO."""
 
+    def __post_init__(self) -> None:
+        if self.warmup < 1:  # the bare rounds take their sizes from a warm-up step
+            raise ValueError(f"warmup: must be at least 1, got {self.warmup}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be at least 1, got {self.repeats}")
+
 
 def run(config: LoopbackConfig) -> dict[str, Any]:
     """Spawn ``config.ranks`` gloo ranks on loopback and time them; returns the JSON record."""
