@@ -6,6 +6,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from microsparse.comm import Collective
+from microsparse.comm.collectives import check_agreement
 from microsparse.ddp.slabs import Job
 from microsparse.ddp.state import PassRecord, SparseState, _Binding
 from microsparse.engine import StepReport
@@ -32,6 +34,11 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     Meanwhile autograd goes on computing the next buckets' gradients. Every pass selects k
     entries in all (each slab its share), from the first one on. With the state's
     ``one_exchange=True`` the whole model is one slab, whose step starts at the last bucket.
+    With ``min_speedup`` a pass may average densely instead (``microsparse.ddp.choice``):
+    each bucket, with its parameters' residuals added in, is all-reduced as DDP does it.
+
+    At the first pass every rank checks that all ranks hold the same options (one small
+    all-gather): ranks that disagree would otherwise issue collectives of different sizes.
 
     .. warning::
         An error in any slab's step (a NaN or Inf in what is sent, ranks at different steps)
@@ -44,9 +51,14 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     """
     binding = state.bind()
     record = binding.current
-    if record is None or record.saw_last_bucket:  # the first bucket of a pass
-        record = _begin_pass(state, binding)
     buffer = bucket.buffer()
+    if record is None or record.saw_last_bucket:  # the first bucket of a pass
+        record = _begin_pass(state, binding, buffer.device)
+    if record.dense or record.refused:
+        record.saw_last_bucket = bucket.is_last()
+        if record.refused:  # nothing is exchanged; the error is raised after DDP's pass
+            return _completed(buffer)
+        return _average_densely(binding, record, bucket)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if buffer.is_cuda else None
     )
@@ -71,6 +83,38 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 micro_hook = sparse_hook
 """The hook to register with :class:`microsparse.ddp.MicroState` (same function)."""
+
+
+def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
+    future.set_result(buffer)
+    return future
+
+
+def _average_densely(
+    binding: _Binding, record: PassRecord, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """A dense pass's bucket, as DDP averages it, with every residual sent along: the bucket
+    plus its parameters' residuals (which become zero), divided by n and all-reduced."""
+    buffer, slabs = bucket.buffer(), binding.slabs
+    offset = 0
+    for p in bucket.parameters():
+        slabs.meet(p)
+        residual = None if binding.clean else slabs.residual(p)
+        if residual is not None:
+            # DDP drops the average of a parameter no rank used: what it held would be lost.
+            if slabs.used(p):
+                buffer[offset : offset + p.numel()].add_(residual)
+                residual.zero_()
+            else:
+                record.kept_residual = True
+        offset += p.numel()
+    record.dense_numel += buffer.numel()
+    record.dense_bytes += buffer.numel() * buffer.element_size()
+    buffer.div_(binding.world_size)  # divide first, as DDP does
+    return binding.collectives[0].start(Collective("all_reduce", buffer, "values"))
 
 
 class _Chain:
@@ -156,7 +200,7 @@ def _slab_done(record: PassRecord, key: object) -> None:
         future.set_result(buffer)
 
 
-def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
+def _begin_pass(state: SparseState, binding: _Binding, device: torch.device) -> PassRecord:
     state.scaling.follow(*(b.data for slab in binding.slabs.slabs for b in slab.feedback.buffers))
     record = PassRecord(state.step)
     binding.current = record
@@ -168,6 +212,19 @@ def _begin_pass(state: SparseState, binding: _Binding) -> PassRecord:
         engine.queue_callback(lambda: _end_pass(state, binding, record))  # this one runs after
 
     engine.queue_callback(after_backward)
+    first = binding.collectives[0]
+    try:
+        if not binding.agreed:  # before any collective whose size the options decide
+            check_agreement(first, "the DDP hook's options (SparseState)",
+                            [state.fingerprint()], device)  # fmt: skip
+            binding.agreed = True
+        if state.speed is not None:
+            record.dense = state.speed.begin_pass(
+                lambda mine: first.run(Collective("all_gather", mine.to(device), "agreement"))
+            )
+    except Exception as error:  # noqa: BLE001 - raised from backward(), after DDP's pass
+        record.fail(error)
+        record.refused = True
     return record
 
 
@@ -177,6 +234,15 @@ def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None
     its error."""
     binding.current = None
     binding.slabs.end_pass()
+    if state.speed is not None:
+        state.speed.end_pass(record.dense)
+    if record.dense:
+        binding.clean = not record.kept_residual
+        state.last_step = record.dense_stats(binding.world_size, state.density)
+        state.step += 1
+        return
+    if record.ran:
+        binding.clean = False
     if record.error is not None or record.skipped:
         for job in record.ran:
             job.slab.engine.rollback()

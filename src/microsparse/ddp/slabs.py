@@ -298,7 +298,7 @@ class Slabs:
         number = self._buckets
         self._buckets += 1
         for p in params:
-            self._meet(p)
+            self.meet(p)
         self._arrived.add(number, params, buffer)
         if self._restored is None and self.one_exchange:
             return self._arrive_for_one_slab(number, params, buffer, last)
@@ -356,7 +356,7 @@ class Slabs:
         exclude = [
             (offset, offset + size)
             for p, offset, size in zip(slab.params, slab.layout.offsets, slab.layout.sizes)
-            if not self._used(p)
+            if not self.used(p)
         ]
         if whole is not None:
             return Job(slab, key, whole, slab.output_for(whole), buckets, exclude)
@@ -366,7 +366,8 @@ class Slabs:
 
     # ---- parameters and slabs ---------------------------------------------------------
 
-    def _meet(self, param: torch.Tensor) -> None:
+    def meet(self, param: torch.Tensor) -> None:
+        """Learn ``param`` (its place in the order, its restored memory, its use marks)."""
         if id(param) in self._index:
             return
         index = len(self.order)
@@ -381,7 +382,8 @@ class Slabs:
                     f"parameters (parameter {index} has {param.numel()} elements); restore into "
                     "the same model definition, before its first backward pass"
                 )
-            self._loaded[id(param)] = [buffer.reshape(-1) for buffer in saved[index]]
+            # Copies: a dense pass zeroes a residual in place; the caller's checkpoint stays.
+            self._loaded[id(param)] = [buffer.reshape(-1).clone() for buffer in saved[index]]
         # Marks the pass in which autograd gave the parameter a gradient on this rank; it runs
         # before DDP's own hook for it. Unused parameters (find_unused_parameters=True) are then
         # not proposed: DDP drops their average, which would lose what their residual sent.
@@ -390,7 +392,7 @@ class Slabs:
     def _mark_used(self, param: torch.Tensor) -> None:
         self._used_in[id(param)] = self._pass
 
-    def _used(self, param: torch.Tensor) -> bool:
+    def used(self, param: torch.Tensor) -> bool:
         """Whether autograd gave ``param`` a gradient on this rank in this pass."""
         if self._met_in[id(param)] < self._pass:
             return self._used_in.get(id(param)) == self._pass

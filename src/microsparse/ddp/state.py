@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
 from microsparse.comm.framing import Dense, Fixed, Padded
+from microsparse.ddp.choice import SpeedChoice, check_min_speedup
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
@@ -63,6 +66,14 @@ class SparseState:
             overlapping the exchange with backward; k is then not split by bucket. Pays where
             rounds cost more than they overlap (latency, many buckets, few cores per rank).
             Dense averaging always follows DDP's buckets.
+        min_speedup: compress only where it pays (``microsparse.ddp.choice``): after 3
+            settling passes the hook times 5 sparse and 5 dense passes, alternating, and every
+            rank then keeps sparse averaging only if the median training step is at least
+            ``min_speedup`` times faster sparse than dense (summed over ranks), else averages
+            densely, as DDP does, from then on (each rank's residual sent along once).
+            ``None`` (default): always sparse. Sparse training needs more steps to the same
+            accuracy, so ask for a margin, e.g. 1.1. Not with ``transactional``,
+            ``grad_scaler``, ``momentum_correction`` or ``adam_correction``.
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
     The state can be built before ``init_process_group``, pickled and deep-copied: it binds
@@ -89,6 +100,7 @@ class SparseState:
         adam_correction: tuple[float, float, float] | None = None,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         one_exchange: bool = False,
+        min_speedup: float | None = None,
         **options: Any,
     ) -> None:
         if value_dtype not in VALUE_DTYPES:
@@ -125,6 +137,26 @@ class SparseState:
         if not isinstance(one_exchange, bool):
             raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
         self.one_exchange = one_exchange
+        self.min_speedup = check_min_speedup(min_speedup)
+        if self.min_speedup is not None and self.averages_densely:
+            raise ValueError(
+                "min_speedup chooses between sparse and dense averaging, but this state always "
+                "averages densely (dense, or density 1): leave min_speedup unset (None)"
+            )
+        if self.min_speedup is not None:
+            clashing = [name for name, on in (
+                ("transactional", self.transactional and grad_scaler is None),
+                ("grad_scaler", grad_scaler is not None),
+                ("momentum_correction", bool(self.momentum[0])),
+                ("adam_correction", self.adam is not None),
+            ) if on]  # fmt: skip
+            if clashing:  # they need every pass sparse (a dense pass has no residual to keep)
+                raise ValueError(
+                    f"min_speedup may average some passes densely, which {clashing[0]} does not "
+                    "support: leave min_speedup unset (None), or drop that option"
+                )
+        self.speed = None if self.min_speedup is None else SpeedChoice(self.min_speedup)
+        """The timing and choice of ``min_speedup`` (None without it)."""
         self.density_warmup = DensityWarmup.of(density_warmup)
         if self.density_warmup is not None:
             if self.averages_densely:
@@ -230,7 +262,14 @@ class SparseState:
             config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
         if self.one_exchange:  # the slabs, and so the saved thresholds, differ
             config["one_exchange"] = True
+        if self.min_speedup is not None:
+            config["min_speedup"] = self.min_speedup
         return config
+
+    def fingerprint(self) -> int:
+        """A checksum of the options that decide the hook's collectives (equal on every rank
+        that may average with this one)."""
+        return zlib.crc32(repr(sorted(self._config().items())).encode())
 
     def state_dict(self) -> dict[str, Any]:
         """Step, every parameter's residual, the slabs and their sparsifiers' states (this
@@ -247,7 +286,7 @@ class SparseState:
             )
         else:
             slabs, rank, world_size = binding.slabs.state(), binding.rank, binding.world_size
-        return {
+        state = {
             "config": self._config(),
             "step": self.step,
             "rank": rank,
@@ -255,6 +294,9 @@ class SparseState:
             "slabs": slabs,
             "scale": self.scaling.scale,
         }
+        if self.speed is not None:
+            state["speed"] = self.speed.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore into a state registered on a fresh DDP model, before its first backward.
@@ -278,6 +320,8 @@ class SparseState:
             self._pending = state
         self.step = int(state["step"])
         self.scaling.scale = state.get("scale")
+        if self.speed is not None:
+            self.speed.load_state_dict(state.get("speed", {}))
 
     @staticmethod
     def _check_saved_by(state: dict[str, Any], rank: int, world_size: int) -> None:
@@ -298,6 +342,7 @@ class SparseState:
             "density_warmup": self.density_warmup,
             "adam": self.adam,
             "one_exchange": self.one_exchange,
+            "min_speedup": self.min_speedup,
             "options": self.options,
             "state": self.state_dict(),
         }
@@ -311,9 +356,12 @@ class SparseState:
                              adam_correction=saved.get("adam"),
                              density_warmup=saved.get("density_warmup"),
                              one_exchange=saved.get("one_exchange", False),
+                             min_speedup=saved.get("min_speedup"),
                              **saved["options"])  # fmt: skip
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
+        if self.speed is not None:
+            self.speed.load_state_dict(saved["state"].get("speed", {}))
 
 
 class MicroState(SparseState):
@@ -337,13 +385,15 @@ class MicroState(SparseState):
         momentum_nesterov: bool = False,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         one_exchange: bool = False,
+        min_speedup: float | None = None,
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
                          timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
                          momentum_correction=momentum_correction,
                          momentum_nesterov=momentum_nesterov, density_warmup=density_warmup,
-                         one_exchange=one_exchange, **options)  # fmt: skip
+                         one_exchange=one_exchange, min_speedup=min_speedup,
+                         **options)  # fmt: skip
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)
@@ -361,6 +411,10 @@ class _Binding:
     """Round r of every slab is issued in slab order (round 0 from the hook itself)."""
     slabs: Slabs
     current: PassRecord | None = None
+    agreed: bool = False
+    """Every rank's options were found equal (at the first pass)."""
+    clean: bool = False
+    """Every residual is zero: a dense pass sent them all, and no sparse pass ran since."""
 
 
 @dataclass
@@ -378,6 +432,14 @@ class PassRecord:
     )
     slabs_started: int = 0
     saw_last_bucket: bool = False
+    refused: bool = False
+    """An error before any exchange (ranks with other options): nothing is exchanged."""
+    dense: bool = False
+    """Averaged densely, as DDP does (``min_speedup``'s choice or probe)."""
+    dense_numel: int = 0
+    dense_bytes: int = 0
+    kept_residual: bool = False
+    """A dense pass left a residual in place (a parameter this rank did not use)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fail(self, error: BaseException) -> None:
@@ -391,6 +453,14 @@ class PassRecord:
         dense = all_reduce_bytes(numel * 4, world_size)
         return StepStats(self.step, numel, world_size, 0, target, float("nan"), 0, 0, None, 0,
                          dense, 0.0, 0.0, skipped=True)  # fmt: skip
+
+    def dense_stats(self, world_size: int, density: float) -> StepStats:
+        numel = self.dense_numel
+        dense = all_reduce_bytes(self.dense_bytes, world_size)
+        return StepStats(self.step, numel, world_size, numel, max(1, math.floor(density * numel)),
+                         float("nan"), numel, 0, None, dense, dense, 0.0, 0.0,
+                         extra={"averaging": "dense"}, proposed=numel,
+                         exchange="dense")  # fmt: skip
 
     def stats(self, world_size: int) -> StepStats:
         reports = [report for _, report in self.reports]
