@@ -28,6 +28,9 @@ def test_each_method_becomes_the_train_options_that_mean_it():
     assert train_arguments("micro@ddp(exchange=one)", config)[4:9] == [
         "--sparsifier", "micro", "--integration", "ddp", "--one-exchange",
     ]  # fmt: skip
+    assert train_arguments("micro@ddp(min_speedup=1.1)", config)[4:10] == [
+        "--sparsifier", "micro", "--integration", "ddp", "--min-speedup", "1.1",
+    ]  # fmt: skip
     reference = train_arguments("micro-reference", config)
     assert "--threshold-rule" in reference and "as_coded" in reference
     peer = train_arguments("powersgd(rank=4)", config)

@@ -186,6 +186,14 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
         (["--integration", "ddp", "--ddp-hook", "powersgd(start=1)"], "--ddp-hook"),
         (["--one-exchange"], "--one-exchange"),  # an option of the DDP hook
         (["--integration", "ddp", "--ddp-hook", "fp16", "--one-exchange"], "--one-exchange"),
+        (["--min-speedup", "1.1"], "--min-speedup"),  # an option of the DDP hook
+        (["--integration", "ddp", "--min-speedup", "0"], "--min-speedup"),
+        (["--integration", "ddp", "--sparsifier", "dense", "--min-speedup", "1.1"],
+         "--min-speedup"),
+        (["--integration", "ddp", "--momentum-correction", "--min-speedup", "1.1"],
+         "--min-speedup"),
+        (["--task", "recommendation", "--integration", "ddp", "--min-speedup", "1.1"],
+         "--min-speedup"),  # Adam correction is on for its recipe
     ],
 )
 def test_bad_option_exits_2_naming_the_option(args, option, capsys, tmp_path):

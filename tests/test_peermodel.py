@@ -111,9 +111,10 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
     images = torch.randn(4, 3, 8, 8)
     slabs, targets = {}, {}
     names = ("micro@ddp", "micro@ddp(buckets=one)", "micro@ddp(exchange=one)",
-             "micro(density=0.05)@ddp")  # fmt: skip
+             "micro(density=0.05)@ddp", "micro@ddp(min_speedup=1.5)")  # fmt: skip
     for name in names:
         ddp, state = peers.attach(peers.parse(name), small_model(), density=0.01, start=2)
+        assert state.min_speedup == (1.5 if "min_speedup" in name else None)
         for _ in range(3):  # past DDP's bucket rebuild
             ddp(images).square().sum().backward()
         slabs[name] = state.last_step.extra["slabs"]
@@ -135,6 +136,7 @@ def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
             "micro@ddp(buckets=one)": 1,
             "micro@ddp(exchange=one)": 1,
             "micro(density=0.05)@ddp": 2,
+            "micro@ddp(min_speedup=1.5)": 2,  # still settling: sparse
         }
         # The slabs' shares add up to k of the name's own density, not the run's 0.01.
         k = math.floor(0.05 * result["numel"])
@@ -148,7 +150,9 @@ def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
     [
         ("micro@ddp(buckets=two)", "takes \\(buckets=one\\|default\\)"),
         ("micro@ddp(rank=1)", "takes \\(buckets=one\\|default\\)"),
-        ("micro@ddp(exchange=two)", "and/or \\(exchange=one\\|buckets\\)"),
+        ("micro@ddp(exchange=two)", "\\(exchange=one\\|buckets\\)"),
+        ("micro@ddp(min_speedup=0)", "min_speedup must be a number > 0, got '0'"),
+        ("micro@ddp(min_speedup=fast)", "min_speedup must be a number > 0"),
         ("micro@ddp()", "takes \\(buckets"),
         ("micro@ddpx", "@ddp ends the name"),
         ("micro@ddp(buckets=one", "unbalanced parentheses"),

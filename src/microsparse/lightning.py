@@ -50,7 +50,7 @@ class SparseDDPStrategy(DDPStrategy):
             ``{"find_unused_parameters": True}``).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
             state's ``momentum_correction``, ``momentum_nesterov``, ``adam_correction``,
-            ``density_warmup`` and ``one_exchange``.
+            ``density_warmup``, ``one_exchange`` and ``min_speedup``.
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
     """

@@ -95,6 +95,8 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
         argv += ["--integration", "ddp" if method.kind == "hook" else "loop"]
         if method.one_exchange:
             argv.append("--one-exchange")
+        if method.min_speedup is not None:
+            argv += ["--min-speedup", repr(method.min_speedup)]
         for key, value in method.options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
     # On CPU, gloo over the shaped links: on a GPU machine NCCL would bypass them.

@@ -24,7 +24,9 @@ A method name is one of:
   model, so that the exchange runs once, after backward, as in the loop API, instead of once
   per DDP bucket;
 - ``NAME@ddp(exchange=one)``: microsparse's hook with ``one_exchange=True`` on DDP's own
-  buckets: the same single exchange after backward, without touching ``bucket_cap_mb``.
+  buckets: the same single exchange after backward, without touching ``bucket_cap_mb``;
+- ``NAME@ddp(min_speedup=X)``: microsparse's hook with ``min_speedup=X``: it times a few
+  steps sparse and dense and stays sparse only where its step is X times faster.
 
 A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the run's
 ``--density``: so one run (one dense target, the same links) compares densities side by side.
@@ -43,6 +45,8 @@ Example:
     (True, 'floor')
     >>> parse("micro@ddp(exchange=one)").one_exchange
     True
+    >>> parse("micro@ddp(min_speedup=1.1,exchange=one)").min_speedup
+    1.1
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Method:
     start: int | None = None  # PowerSGD's plain all-reduce steps, if the name sets them
     one_exchange: bool = False  # the hook's one_exchange: one slab whatever DDP's buckets
     density: float | None = None  # the name's own density (``micro(density=0.03)``), if any
+    min_speedup: float | None = None  # the hook's min_speedup: sparse only where X times faster
 
     def density_or(self, default: float) -> float:
         """The density this method selects at: the name's own, else ``default`` (the run's)."""
@@ -101,18 +106,22 @@ def parse(name: str) -> Method:
         return Method(name, "floor")
     base, hooked, suffix = name.partition(HOOK_SUFFIX)
     one_bucket = one_exchange = False
+    min_speedup = None
     if suffix:
         options = _arguments(name, suffix[1:]) if suffix.startswith("(") else {}
         if (
             not options
-            or not set(options) <= {"buckets", "exchange"}
+            or not set(options) <= {"buckets", "exchange", "min_speedup"}
             or options.get("buckets", "default") not in ("one", "default")
             or options.get("exchange", "buckets") not in ("one", "buckets")
         ):
             raise ValueError(f"method {name!r}: {HOOK_SUFFIX} ends the name, or takes "
-                             "(buckets=one|default) and/or (exchange=one|buckets)")  # fmt: skip
+                             "(buckets=one|default), (exchange=one|buckets) and/or "
+                             "(min_speedup=X)")  # fmt: skip
         one_bucket = options.get("buckets") == "one"
         one_exchange = options.get("exchange") == "one"
+        if "min_speedup" in options:
+            min_speedup = _positive(name, "min_speedup", options["min_speedup"])
     label, _, arguments = base.partition("(")
     if label in PEERS:
         options = _arguments(name, arguments)
@@ -141,7 +150,8 @@ def parse(name: str) -> Method:
         ) from None
     kind = "hook" if hooked else "loop"
     return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
-                  one_exchange=one_exchange, density=density)  # fmt: skip
+                  one_exchange=one_exchange, density=density,
+                  min_speedup=min_speedup)  # fmt: skip
 
 
 def _own_density(name: str, base: str) -> tuple[str, float | None]:
@@ -159,6 +169,16 @@ def _own_density(name: str, base: str) -> tuple[str, float | None]:
         raise ValueError(f"method {name!r}: density must be a number in (0, 1], got {text!r}")
     rest = ",".join(f"{key}={value}" for key, value in options.items())
     return (f"{label}({rest})" if rest else label), density
+
+
+def _positive(name: str, key: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"method {name!r}: {key} must be a number > 0, got {text!r}")
+    return value
 
 
 def _whole(name: str, key: str, text: str, least: int) -> int:
@@ -206,7 +226,8 @@ def attach(
         ddp.register_comm_hook(None, unchanged_hook)
     elif method.kind == "hook":
         state = mddp.SparseState(method.sparsifier, method.density_or(density),
-                                 one_exchange=method.one_exchange, **method.options)  # fmt: skip
+                                 one_exchange=method.one_exchange,
+                                 min_speedup=method.min_speedup, **method.options)  # fmt: skip
         ddp.register_comm_hook(state, mddp.sparse_hook)
     elif method.sparsifier == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

@@ -174,6 +174,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "DDP bucket, instead of one exchange per bucket (fewer collective rounds, no overlap "
         "with backward)",
     )
+    add(
+        "--min-speedup",
+        type=arguments.positive_float,
+        metavar="X",
+        help="with --integration ddp: time a few steps sparse and dense, then stay sparse only "
+        "if its step is at least X times faster, else average densely as DDP does (default: "
+        "always sparse)",
+    )
     recipe = train.add_argument_group("recipe (default: the task's)")
     add = recipe.add_argument
     add("--epochs", type=arguments.positive_int)

@@ -76,6 +76,7 @@ class TrainConfig:
     integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
     ddp_hook: str = "microsparse"  # or a peer (``bench.peers``): ddp, fp16, bf16, powersgd(...)
     one_exchange: bool = False  # the hook's whole model as one slab, one exchange a step
+    min_speedup: float | None = None  # the hook: stay sparse only if X times faster than dense
     checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
@@ -150,6 +151,26 @@ class TrainConfig:
             "one_exchange",
             "is an option of microsparse's DDP hook: add --integration ddp (and no --ddp-hook)",
         )
+        if self.min_speedup is not None:
+            _require(
+                self.integration == "ddp" and self.ddp_hook == "microsparse",
+                "min_speedup",
+                "is an option of microsparse's DDP hook: add --integration ddp (and no "
+                "--ddp-hook)",
+            )
+            _require(_number(self.min_speedup, low=0, open_low=True), "min_speedup",
+                     "must be a finite number > 0")  # fmt: skip
+            _require(
+                self.sparsifier != "dense" and self.density < 1,
+                "min_speedup",
+                "chooses between sparse and dense averaging: it needs a sparsifier that "
+                "selects (not dense, density below 1)",
+            )
+            for clash, undo in (("momentum_correction", "drop --momentum-correction"),
+                                ("adam_correction", "add --no-adam-correction")):
+                _require(not getattr(self, clash), "min_speedup",
+                         f"may average some steps densely, which {clash} does not support: "
+                         f"drop --min-speedup, or {undo}")  # fmt: skip
         _require(
             not (self.capture_gradients and self.integration != "loop"),
             "capture_gradients",

@@ -177,6 +177,8 @@ def summarize(
         "selected_over_target_mean": fmean(r["selected"] / r["target"] for r in records),
         # K/d over the whole run, a density warm-up included.
         "mean_density": fmean(r["selected"] / r["numel"] for r in records),
+        # Steps the hook averaged densely (min_speedup's probe, and its choice if dense).
+        "dense_steps": sum(r.get("averaging") == "dense" for r in records),
         "traffic_ratio": sent / dense if dense else None,  # None: one worker sends nothing
         "seconds": {"wall": wall_seconds, "steps": step_total, **totals},
         "seconds_per_step": {part: total / steps for part, total in totals.items()},
@@ -204,6 +206,13 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
         f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
         "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
+        *(
+            [f"  min_speedup {config['min_speedup']:g}: {summary['dense_steps']} of "
+             f"{summary['steps']} steps averaged densely (the probe's, and every step after a "
+             "dense choice)"]
+            if config.get("min_speedup") is not None
+            else []
+        ),  # fmt: skip
         "  per step: "
         + ", ".join(
             f"{part} {1000 * per_step[part]:.1f} ms"

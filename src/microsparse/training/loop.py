@@ -174,7 +174,8 @@ class Averaging:
         elif config.integration == "ddp":
             self._state = SparseState(
                 config.sparsifier, config.density, timeout=config.timeout,
-                one_exchange=config.one_exchange, **options,
+                one_exchange=config.one_exchange, min_speedup=config.min_speedup,
+                **options,
             )  # fmt: skip
             self.model = DistributedDataParallel(model)
             self.model.register_comm_hook(self._state, sparse_hook)
