@@ -57,11 +57,11 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     if record.dense or record.refused:
         record.saw_last_bucket = bucket.is_last()
         if record.refused:  # nothing is exchanged; the error is raised after DDP's pass
-            return _completed(buffer)
+            future = _future_on(buffer)
+            future.set_result(buffer)
+            return future
         return _average_densely(binding, record, bucket)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
+    future = _future_on(buffer)
     jobs, waiting_for, result = binding.slabs.arrive(bucket.parameters(), buffer, bucket.is_last())
     number = len(record.buckets)
     record.buckets[number] = (future, result, waiting_for)
@@ -85,12 +85,9 @@ micro_hook = sparse_hook
 """The hook to register with :class:`microsparse.ddp.MicroState` (same function)."""
 
 
-def _completed(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if buffer.is_cuda else None
-    )
-    future.set_result(buffer)
-    return future
+def _future_on(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future for a bucket's result (one that carries CUDA tensors must name the device)."""
+    return torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
 
 def _average_densely(
