@@ -111,14 +111,23 @@ class RunLog:
         tqdm.write(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
 
     def finish(
-        self, options: dict[str, Any], world_size: int, wall_seconds: float, parameters: int
+        self,
+        options: dict[str, Any],
+        world_size: int,
+        wall_seconds: float,
+        parameters: int,
+        speed_choice: dict[str, Any] | None = None,
     ) -> None:
+        """Close the files, write ``summary.json`` and print the summary; ``speed_choice``:
+        the DDP hook's ``min_speedup`` choice and every rank's median step seconds."""
         self._bar.close()
         self._metrics.close()
         self._epoch_file.close()
         summary = summarize(self.config, self.metrics, self.records, self.epochs, wall_seconds)
         summary["config"].update(world_size=world_size, sparsifier_options=options)
         summary.update(parameters=parameters, target=self.records[-1]["target"])
+        if speed_choice is not None:
+            summary["min_speedup"] = speed_choice
         (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
         print(format_summary(summary, self.out))
 
@@ -206,13 +215,7 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
         f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
         "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
-        *(
-            [f"  min_speedup {config['min_speedup']:g}: {summary['dense_steps']} of "
-             f"{summary['steps']} steps averaged densely (the probe's, and every step after a "
-             "dense choice)"]
-            if config.get("min_speedup") is not None
-            else []
-        ),  # fmt: skip
+        *([_speed_line(summary)] if config.get("min_speedup") is not None else []),
         "  per step: "
         + ", ".join(
             f"{part} {1000 * per_step[part]:.1f} ms"
@@ -221,6 +224,27 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"  wrote {out}/summary.json, metrics.jsonl, epochs.jsonl",
     ]
     return "\n".join(lines)
+
+
+def _speed_line(summary: dict[str, Any]) -> str:
+    """What the DDP hook's ``min_speedup`` chose, from what, and what it cost in dense steps.
+
+    Example:
+        >>> print(_speed_line({"config": {"min_speedup": 1.1}, "dense_steps": 5, "steps": 20,
+        ...       "min_speedup": {"choice": "sparse", "medians": [[0.02, 0.05], [0.03, 0.05]]}}))
+          min_speedup 1.1: chose sparse (median step, summed over ranks: sparse 50.0 ms, dense 100.0 ms); 5 of 20 steps averaged densely
+    """  # noqa: E501
+    speed = summary.get("min_speedup") or {}
+    medians = speed.get("medians")
+    line = f"  min_speedup {summary['config']['min_speedup']:g}: "
+    if speed.get("choice") is None:
+        line += "no choice yet (the run ended inside its probe)"
+    else:
+        line += f"chose {speed['choice']}"
+    if medians:
+        sparse, dense = (1000 * sum(row[i] for row in medians) for i in (0, 1))
+        line += f" (median step, summed over ranks: sparse {sparse:.1f} ms, dense {dense:.1f} ms)"
+    return line + f"; {summary['dense_steps']} of {summary['steps']} steps averaged densely"
 
 
 def _names(metrics: tuple[Metric, ...]) -> list[str]:

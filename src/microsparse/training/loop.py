@@ -131,7 +131,7 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     if log:
         wall = seconds_before + time.perf_counter() - started
         parameters = sum(p.numel() for p in model.parameters())
-        log.finish(averaging.options(), world_size, wall, parameters)
+        log.finish(averaging.options(), world_size, wall, parameters, averaging.speed_choice())
 
 
 def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) -> int:
@@ -199,6 +199,11 @@ class Averaging:
             return self._reducer.sparsifier.options()
         assert self._state is not None
         return self._state.options
+
+    def speed_choice(self) -> dict[str, Any] | None:
+        """The hook's ``min_speedup`` choice and every rank's medians, if it has one."""
+        speed = None if self._state is None else self._state.speed
+        return None if speed is None else speed.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         if self._peer is not None:
