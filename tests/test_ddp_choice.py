@@ -36,13 +36,14 @@ def flat(tensors) -> torch.Tensor:
 
 
 def conserving_worker(rank: int, n: int, min_speedup: float, passes: int,
-                      resume: list[tuple[dict, torch.Tensor]] | None = None) -> dict:  # fmt: skip
+                      resume: list[tuple[dict, torch.Tensor]] | None = None,
+                      ddp_flags: dict[str, bool] | None = None) -> dict:  # fmt: skip
     """Train ``passes`` steps through the hook; at every pass check, against every rank's
     own gradient and residual gathered by hand, that n · average + Σ residual after the pass
     equals Σ (gradient + residual before it). ``resume``: each rank's saved state, and its
     residuals then in the model's order. Returns the modes and the choice."""
     model = mlp()
-    ddp = DDP(model, bucket_cap_mb=0.002)  # several buckets
+    ddp = DDP(model, bucket_cap_mb=0.002, **(ddp_flags or {}))  # several buckets
     state = mddp.SparseState("micro", 0.05, min_speedup=min_speedup)
     if resume is not None:
         state.load_state_dict(resume[rank][0])
@@ -82,11 +83,12 @@ def conserving_worker(rank: int, n: int, min_speedup: float, passes: int,
             "medians": state.speed.medians, "saved": saved, "step": state.step}  # fmt: skip
 
 
-def test_every_rank_probes_then_takes_one_choice_and_loses_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("flags", [{}, {"gradient_as_bucket_view": True, "static_graph": True}])
+def test_every_rank_probes_then_takes_one_choice_and_loses_nothing(flags, tmp_path) -> None:
     passes = DECIDED_AT + 3
     probe = ["sparse", "dense"] * PROBE_PASSES
     for min_speedup, choice in ((1e6, "dense"), (1e-6, "sparse")):
-        results = run_ranks(conserving_worker, 2, tmp_path, min_speedup, passes)
+        results = run_ranks(conserving_worker, 2, tmp_path, min_speedup, passes, None, flags)
         for result in results:
             assert result["modes"] == ["sparse"] * SETTLING_PASSES + probe + [choice] * 3
             assert result["choice"] == choice
