@@ -155,17 +155,17 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
 
 def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
     out = tmp_path / "run"
-    # 1000x faster is never met: the probe's 5 dense steps, then dense from step 13 on.
-    result = run_cli("train", "--workers", "2", "--max-steps", "16", "--no-progress", "--out",
+    # 1000x faster is never met: the probe's 6 dense steps, then dense from step 20 on.
+    result = run_cli("train", "--workers", "2", "--max-steps", "23", "--no-progress", "--out",
                      str(out), "--integration", "ddp", "--min-speedup", "1000")  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["min_speedup"]["choice"] == "dense"
     assert len(summary["min_speedup"]["medians"]) == 2  # a row per rank: sparse, dense
-    assert summary["dense_steps"] == 5 + 3
+    assert summary["dense_steps"] == 6 + 3
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dense = [r["step"] for r in records if r.get("averaging") == "dense"]
-    assert dense == [4, 6, 8, 10, 12, 13, 14, 15]
+    assert dense == [9, 11, 13, 15, 17, 19, 20, 21, 22]
     assert all(r["selected"] == r["numel"] for r in records if r["step"] in dense)
     assert "min_speedup 1000: chose dense (median step" in result.stdout
 

@@ -66,8 +66,8 @@ class SparseState:
             overlapping the exchange with backward; k is then not split by bucket. Pays where
             rounds cost more than they overlap (latency, many buckets, few cores per rank).
             Dense averaging always follows DDP's buckets.
-        min_speedup: compress only where it pays (``microsparse.ddp.choice``): after 3
-            settling passes the hook times 5 sparse and 5 dense passes, alternating, and every
+        min_speedup: compress only where it pays (``microsparse.ddp.choice``): after 8
+            settling passes the hook times 6 sparse and 6 dense passes, alternating, and every
             rank then keeps sparse averaging only if the median training step is at least
             ``min_speedup`` times faster sparse than dense (summed over ranks), else averages
             densely, as DDP does, from then on (each rank's residual sent along once).
