@@ -14,10 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse.ddp as mddp
 from distributed import run_ranks
 from microsparse import ConfigMismatchError
-from microsparse.ddp.choice import PROBE_PASSES, SETTLING_PASSES, SpeedChoice
-
-DECIDED_AT = SETTLING_PASSES + 2 * PROBE_PASSES
-"""The first pass that runs the choice."""
+from microsparse.ddp.choice import CHOICE_PASS, PROBE_PASSES, SETTLING_PASSES, SpeedChoice
 
 
 def mlp() -> nn.Module:
@@ -85,7 +82,7 @@ def conserving_worker(rank: int, n: int, min_speedup: float, passes: int,
 
 @pytest.mark.parametrize("flags", [{}, {"gradient_as_bucket_view": True, "static_graph": True}])
 def test_every_rank_probes_then_takes_one_choice_and_loses_nothing(flags, tmp_path) -> None:
-    passes = DECIDED_AT + 3
+    passes = CHOICE_PASS + 3
     probe = ["sparse", "dense"] * PROBE_PASSES
     for min_speedup, choice in ((1e6, "dense"), (1e-6, "sparse")):
         results = run_ranks(conserving_worker, 2, tmp_path, min_speedup, passes, None, flags)
@@ -162,7 +159,7 @@ def test_the_probe_times_the_whole_step_between_pass_ends() -> None:
         gathered.append(mine)
         return mine.unsqueeze(0)
 
-    for _ in range(DECIDED_AT):
+    for _ in range(CHOICE_PASS):
         choice.end_pass(choice.begin_pass(all_gather))
     assert choice.choice is None and not gathered
     choice.begin_pass(all_gather)

@@ -36,7 +36,7 @@ from typing import Any
 import microsparse
 from microsparse.bench import netns, peers
 from microsparse.bench.cluster_worker import MODELS, NO_EXCHANGE
-from microsparse.ddp.choice import PROBE_PASSES, SETTLING_PASSES
+from microsparse.ddp.choice import CHOICE_PASS
 from microsparse.sparsifiers import method_sparsifiers
 
 PARTS = ("compute", "wait", "select", "exchange", "other")
@@ -58,10 +58,6 @@ def default_sparsifiers() -> tuple[str, ...]:
     others = [name for name in method_sparsifiers() if name != "dense"]
     peer_rows = ("ddp", "powersgd", "powersgd(rank=4)", "fp16", "bf16")
     return ("dense", *others, "micro@ddp", *peer_rows, peers.DDP_FLOOR, NO_EXCHANGE)
-
-
-CHOSEN_AFTER = SETTLING_PASSES + 2 * PROBE_PASSES
-"""Passes before the hook's ``min_speedup`` has chosen (each round attaches a new state)."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +85,11 @@ class BenchConfig:
                 method = peers.parse(name)
             except ValueError as error:
                 raise ValueError(f"sparsifiers: {error}") from None
-            if method.min_speedup is not None and self.warmup < CHOSEN_AFTER:
+            # Each round attaches a new state, which chooses at its pass CHOICE_PASS.
+            if method.min_speedup is not None and self.warmup < CHOICE_PASS:
                 raise ValueError(
-                    f"sparsifiers: {name!r} takes its choice after {CHOSEN_AFTER} passes, so "
-                    f"that recorded steps come after it: give --warmup {CHOSEN_AFTER} or more "
+                    f"sparsifiers: {name!r} takes its choice after {CHOICE_PASS} passes, so "
+                    f"that recorded steps come after it: give --warmup {CHOICE_PASS} or more "
                     f"(got {self.warmup})"
                 )
         if self.model not in MODELS:

@@ -49,6 +49,8 @@ at pass 0 to its steady 150–160 ms only by pass 5–7, so timing it from pass 
 its warm-up for its cost (and chose dense where sparse was 1.15× faster)."""
 PROBE_PASSES = 6
 """Timed passes of each kind, alternating (sparse first)."""
+CHOICE_PASS = SETTLING_PASSES + 2 * PROBE_PASSES
+"""The pass (counted from 0) at whose start every rank takes the choice."""
 CHOICES = ("sparse", "dense")
 
 
@@ -88,7 +90,7 @@ class SpeedChoice:
         """Whether the pass now starting averages densely. At the first pass after the probe
         it calls ``all_gather`` (collective: every rank at the same pass) with this rank's two
         medians and takes the choice from every rank's rows."""
-        if self.choice is None and self._probe_index() >= 2 * PROBE_PASSES:
+        if self.choice is None and self._passes >= CHOICE_PASS:
             mine = torch.tensor([statistics.median(s) for s in self._seconds], dtype=torch.float64)
             self.medians = [[float(x) for x in row] for row in all_gather(mine).tolist()]
             self.choice = self.decide(self.medians, self.min_speedup)
