@@ -16,43 +16,39 @@ BETAS = (0.25, 0.9949, 1e-8)
 
 def test_the_residual_accumulates_each_workers_bias_corrected_adam_step() -> None:
     layout = Layout.of([("w", torch.zeros(3)), ("b", torch.zeros(2))])
-    for transactional in (False, True):
-        memory = ErrorFeedback(layout, torch.float64, torch.device("cpu"), transactional,
-                               adam=BETAS)  # fmt: skip
-        m, v, e = np.zeros(5), np.zeros(5), np.zeros(5)
-        generator = np.random.default_rng(0)
-        for step in range(6):
-            g = generator.normal(size=5)
-            if step == 4:  # an unused parameter: no gradient, counted as zero
-                g[3:] = 0
-                memory.compensate([torch.tensor(g[:3]), None], step)
-            elif step % 2:  # a slab's gradient as one flat tensor
-                memory.compensate(torch.tensor(g), step)
-            else:
-                memory.compensate([torch.tensor(g[:3]), torch.tensor(g[3:])], step)
-            b1, b2, eps = BETAS
-            m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-            t = step + 1
-            e = e + (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
-            sent = [step % 5]
-            assert np.allclose(memory.accumulated.numpy(), e, rtol=1e-12, atol=0)
-            memory.forget(torch.tensor(sent))
-            memory.commit()
-            e[sent] = 0  # sent; the moments keep their history (no masking)
-            assert np.allclose(memory.residual.numpy(), e, rtol=1e-12, atol=0)
-            assert np.allclose(memory.moments[0].numpy(), m) and np.allclose(
-                memory.moments[1].numpy(), v
-            )
+    memory = ErrorFeedback(layout, torch.float64, torch.device("cpu"), adam=BETAS)
+    m, v, e = np.zeros(5), np.zeros(5), np.zeros(5)
+    generator = np.random.default_rng(0)
+    for step in range(6):
+        g = generator.normal(size=5)
+        if step == 4:  # an unused parameter: no gradient, counted as zero
+            g[3:] = 0
+            memory.compensate([torch.tensor(g[:3]), None], step)
+        elif step % 2:  # a slab's gradient as one flat tensor
+            memory.compensate(torch.tensor(g), step)
+        else:
+            memory.compensate([torch.tensor(g[:3]), torch.tensor(g[3:])], step)
+        b1, b2, eps = BETAS
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        t = step + 1
+        e = e + (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+        sent = [step % 5]
+        assert np.allclose(memory.accumulated.numpy(), e, rtol=1e-12, atol=0)
+        memory.forget(torch.tensor(sent))
+        e[sent] = 0  # sent; the moments keep their history (no masking)
+        assert np.allclose(memory.residual.numpy(), e, rtol=1e-12, atol=0)
+        assert np.allclose(memory.moments[0].numpy(), m) and np.allclose(
+            memory.moments[1].numpy(), v
+        )
 
 
-def test_a_transactional_step_that_is_not_committed_leaves_the_moments() -> None:
+def test_a_skipped_step_leaves_the_moments() -> None:
     layout = Layout.of([("w", torch.zeros(4))])
-    memory = ErrorFeedback(layout, torch.float64, torch.device("cpu"), True, adam=BETAS)
+    memory = ErrorFeedback(layout, torch.float64, torch.device("cpu"), adam=BETAS)
     memory.compensate([torch.ones(4, dtype=torch.float64)], 0)
-    memory.commit()
     before = [t.clone() for t in (memory.residual, *memory.moments)]
-    memory.compensate([torch.full((4,), 5.0, dtype=torch.float64)], 1)  # fails: not committed
-    memory.compensate([torch.full((4,), 2.0, dtype=torch.float64)], 1)
+    poisoned = torch.tensor([5.0, float("nan"), 1.0, float("inf")], dtype=torch.float64)
+    memory.compensate([poisoned], 1, skip=torch.ones(1))
     after = [t for t in (memory.residual, *memory.moments)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 

@@ -125,10 +125,10 @@ def dense_matches_all_reduce(rank: int, n: int) -> bool:
 
 
 def nonfinite_on_leader(rank: int, name: str) -> str:
-    """Rank 1 leads step 1 and has a NaN: every rank must raise in the same step (as soon as
-    the NaN is sent: selection counts it as the largest entry), none may hang."""
+    """Rank 1 leads step 1 and has a NaN: with nonfinite="raise" every rank must raise in
+    that step (the guard sees it before anything is selected), none may hang."""
     params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES]
-    reducer = GradientReducer(params, name, DENSITY)
+    reducer = GradientReducer(params, name, DENSITY, nonfinite="raise")
     generator = torch.Generator().manual_seed(rank)
     try:
         for step in range(2 + 2 * dist.get_world_size()):
@@ -305,21 +305,22 @@ def reference(name: str, gradients: list[list[np.ndarray]]) -> list[dict]:
 def expected_bytes(name: str, n: int, stats, want: dict) -> int:
     """The ring model of ``microsparse.comm`` applied by hand to what each exchange sends.
 
-    Headers are int64: ``[step]`` before a dense average or a leader's plan, ``[step, count]``
-    before padded indices; indices are int32.
+    Every step begins with the guard, two float32 per rank; headers are int64 ``[step,
+    count]`` before padded indices; indices are int32.
     """
+    guard = (n - 1) * 8
     values = 2 * (n - 1) * stats.selected * 8 // n
     if name == "dense":
-        return (n - 1) * 8 + values
+        return guard + values
     if name == "cltk":
-        return (n - 1) * 8 + (TARGET * 4 if n > 1 else 0) + values
+        return guard + (TARGET * 4 if n > 1 else 0) + values
     if name == "oracle":  # a dense all-reduce of a, then the [step, count] header
-        return 2 * (n - 1) * NUMEL * 8 // n + (n - 1) * 2 * 8 + values
+        return guard + 2 * (n - 1) * NUMEL * 8 // n + (n - 1) * 2 * 8 + values
     longest = max(len(p) for p in want["picks"])
     if name == "deft":  # the plan fixes the counts: no count header
         plan = 2 * want["fragments"] * 4 if n > 1 else 0
-        return (n - 1) * 8 + plan + (n - 1) * longest * 4 + values
-    return (n - 1) * 2 * 8 + (n - 1) * longest * 4 + values
+        return guard + plan + (n - 1) * longest * 4 + values
+    return guard + (n - 1) * 2 * 8 + (n - 1) * longest * 4 + values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,17 +371,11 @@ def test_baselines_match_brute_force_references(n: int, tmp_path) -> None:
     if n > 1:
         for name in ("cltk", "deft", "topk", "oracle"):
             outcomes = [rank["nonfinite"][name] for rank in ranks]
-            # The leader's (CLT-k), every rank's own (top-k) or the sum's (oracle) picks
-            # include the NaN at once;
-            # DEFT sends it when rank 1 owns the bin that holds it.
-            raised = {o.split(":")[0] for o in outcomes}
-            assert len(raised) == 1 and raised.pop().startswith("raised at step"), outcomes
-            if name != "deft":
-                assert all(o.startswith("raised at step 1:") for o in outcomes), outcomes
-            # Every rank names the parameter; the rank that sent the NaN says so.
-            assert all("NaN or Inf gradient in parameter 0 " in o for o in outcomes), outcomes
-            assert "this rank sent non-finite values" in outcomes[1], outcomes[1]
-            assert all("own values were finite" in o for o in outcomes[:1] + outcomes[2:])
+            assert all(o.startswith("raised at step 1:") for o in outcomes), outcomes
+            # The rank with the NaN names the parameter; every other rank names that rank.
+            assert "NaN or Inf gradient in parameter 0; this rank's" in outcomes[1], outcomes[1]
+            assert all("on rank 1; this rank's own gradient was finite" in o
+                       for o in outcomes[:1] + outcomes[2:])  # fmt: skip
 
 
 def check_rule_specifics(
@@ -408,7 +403,7 @@ def check_rule_specifics(
     elif name == "hard_threshold":
         assert stats.threshold == 1.0 / (2.0 * math.sqrt(TARGET)), where
         if case.get("scale", 1.0) < 1e-3:
-            assert stats.selected == 0 and stats.bytes_sent == (n - 1) * 16, where  # header only
+            assert stats.selected == 0 and stats.bytes_sent == (n - 1) * 24, where  # guard, header
     elif name == "sage":
         assert stats.threshold == pytest.approx(want["thresholds"][r], rel=1e-12), where
         for factor, value in want["factors"][r].items():

@@ -241,8 +241,11 @@ def test_simulate_compares_options_of_one_sparsifier(tmp_path):
         "selection": "threshold", "partitioning": "contiguous", "index_message": "padded"
     }  # fmt: skip
     assert quota["imbalance"] == 0 and quota["padding"] == 0 and quota["build_up_mean"] == 1.0
-    # k = 200 over 4 ranks: 50 indices each plus the 3-slot header, then 200 values.
-    assert quota["wire_ratio"] == pytest.approx((3 * 53 * 4 + 2 * 3 / 4 * 200 * 4) / (9 * 200))
+    # k = 200 over 4 ranks: the 8-byte guard, 50 indices each plus the 3-slot header, then
+    # 200 values.
+    assert quota["wire_ratio"] == pytest.approx(
+        (3 * 8 + 3 * 53 * 4 + 2 * 3 / 4 * 200 * 4) / (9 * 200)
+    )
     assert threshold["imbalance"] > 0.05 and threshold["wire_ratio"] > quota["wire_ratio"]
     bad = main(["simulate", "--sparsifiers", "micro(selection=top)", "--quiet",
                 "--out", str(tmp_path / "bad")])  # fmt: skip
@@ -259,10 +262,11 @@ def test_cost_model_on_a_hand_computed_example():
     # Broadcast of 1 MB to 8: tree 3·(10 µs + 1 ms) = 3.03 ms; chain 7·10 µs + 1 ms = 1.07 ms.
     assert costmodel.broadcast_seconds(1e6, 8, network) == pytest.approx(1.07e-3)
     assert costmodel.all_reduce_seconds(1e6, 1, network) == 0.0
-    # The reference MiCRO step: header (16 B), padded indices (300 × 4 B), values (1000 × 4 B),
-    # n = 4.
+    # The reference MiCRO step: the guard (8 B), header (16 B), padded indices (300 × 4 B),
+    # values (1000 × 4 B), n = 4.
     shape = costmodel.StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
-    expected = 3 * (10e-6 + 16e-9) + 3 * (10e-6 + 1.2e-6) + 6 * (10e-6 + 1e-6)
+    expected = (3 * (10e-6 + 8e-9) + 3 * (10e-6 + 16e-9) + 3 * (10e-6 + 1.2e-6)
+                + 6 * (10e-6 + 1e-6))  # fmt: skip
     assert costmodel.step_seconds(shape, 4, network, compute=0.02, overhead=0.001) == (
         pytest.approx(0.021 + expected)
     )

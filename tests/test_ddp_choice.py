@@ -134,7 +134,7 @@ def test_min_speedup_refuses_what_is_not_a_positive_number(value) -> None:
 @pytest.mark.parametrize("options, named", [
     ({"momentum_correction": 0.9}, "momentum_correction"),
     ({"adam_correction": (0.9, 0.999, 1e-8)}, "adam_correction"),
-    ({"transactional": True}, "transactional"),
+    ({"nonfinite": "raise"}, "nonfinite='raise'"),
     ({"density": 1.0}, "density 1"),
 ])  # fmt: skip
 def test_min_speedup_refuses_options_that_need_every_pass_sparse(options, named) -> None:

@@ -193,11 +193,11 @@ def test_resuming_keeps_the_saved_stop_unless_told_otherwise() -> None:
 # ---- non-finite steps that can be skipped ---------------------------------------------------
 
 
-def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
+def _skip_worker(rank: int, n: int, skip_at: int | None, nonfinite: str) -> list[dict]:
     """Six steps of made-up gradients; at ``skip_at`` rank 0's gradient has an Inf in the
     smallest entries (where no selection would look). ``skip_at=None`` leaves that step out."""
     params = [torch.zeros(600, requires_grad=True), torch.zeros(40, 10, requires_grad=True)]
-    reducer = GradientReducer(params, "micro", 0.02, transactional=True)
+    reducer = GradientReducer(params, "micro", 0.02, nonfinite=nonfinite)
     records = []
     for step in range(6):
         if skip_at is None and step == 2:
@@ -208,12 +208,13 @@ def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
         if step == skip_at and rank == 0:
             params[0].grad[17] = math.inf
         try:
-            reducer.synchronize()
-            raised = False
+            stats = reducer.synchronize()
+            raised, skipped = False, stats.skipped
         except NonFiniteGradientError as error:
-            raised = str(error).startswith(f"step {step}: NaN or Inf gradient")
+            raised, skipped = str(error).startswith(f"step {step}: NaN or Inf gradient"), None
         records.append({
             "raised": raised,
+            "skipped": skipped,
             "grads": [p.grad.clone() for p in params],
             "residual": reducer.residual.clone(),
             "step": reducer.step,
@@ -221,11 +222,11 @@ def _skip_worker(rank: int, n: int, skip_at: int | None) -> list[dict]:
     return records
 
 
-def test_a_skipped_step_leaves_no_trace(tmp_path) -> None:
-    """With transactional=True an Inf anywhere on one rank raises on every rank in that step
+def test_a_raised_step_leaves_no_trace(tmp_path) -> None:
+    """With nonfinite="raise" an Inf anywhere on one rank raises on every rank in that step
     and leaves the state as if the step had never been taken; p.grad is left as it was."""
-    skipped = run_ranks(_skip_worker, 2, tmp_path / "a", 2)
-    never = run_ranks(_skip_worker, 2, tmp_path / "b", None)
+    skipped = run_ranks(_skip_worker, 2, tmp_path / "a", 2, "raise")
+    never = run_ranks(_skip_worker, 2, tmp_path / "b", None, "raise")
     for rank in range(2):
         assert [r["raised"] for r in skipped[rank]] == [False, False, True, False, False, False]
         assert torch.isinf(skipped[rank][2]["grads"][0]).any() == (rank == 0)  # untouched
@@ -235,6 +236,20 @@ def test_a_skipped_step_leaves_no_trace(tmp_path) -> None:
         for got, want in zip(after, never[rank]):
             assert torch.equal(got["residual"], want["residual"])
             assert all(torch.equal(a, b) for a, b in zip(got["grads"], want["grads"]))
+
+
+def test_a_skipped_step_keeps_every_residual_without_a_host_read(tmp_path) -> None:
+    """By default the step with an Inf on rank 0 is skipped on every rank on the device: no
+    residual changes, the average is NaN where it would be (the same positions everywhere),
+    the statistics say so, and the next steps train on."""
+    ranks = run_ranks(_skip_worker, 2, tmp_path, 2, "skip")
+    for records in ranks:
+        assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+        assert torch.equal(records[2]["residual"], records[1]["residual"])
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+        assert all(torch.isfinite(g).all() for r in records[3:] for g in r["grads"])
+    nan = [torch.cat([g.isnan().flatten() for g in records[2]["grads"]]) for records in ranks]
+    assert torch.equal(nan[0], nan[1]) and int(nan[0].sum()) == 20  # k = ⌊0.02 · 1000⌋
 
 
 def _scaler_worker(rank: int, n: int, integration: str) -> dict:
@@ -282,28 +297,33 @@ def test_grad_scaler_skips_an_overflow_on_every_rank_and_training_goes_on(integr
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def test_the_residual_follows_the_grad_scalers_scale() -> None:
-    """The residual holds scaled gradients: when the scale changes, so must the residual."""
+def test_the_residual_holds_unscaled_gradients_whatever_the_scale() -> None:
+    """The residual keeps gradients in their own units, so that a change of the scaler's scale
+    needs no pass over it; the average is written in the scaler's units."""
     param = torch.zeros(1000, requires_grad=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     scaler.scale(torch.ones(()))  # the scaler makes its scale tensor lazily
     reducer = GradientReducer([param], "micro", 0.01, grad_scaler=scaler)
-    param.grad = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 256
+    gradient = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    param.grad = gradient * 256
     reducer.synchronize()
+    sent = param.grad != 0
+    assert torch.equal(param.grad[sent], gradient[sent] * 256)  # scaled, as the scaler expects
+    assert torch.equal(reducer.residual[~sent], gradient[~sent])  # unscaled
     before = reducer.residual.clone()
     scaler.update(new_scale=1024.0)
     param.grad = torch.zeros(1000)
     reducer.synchronize()
     kept = reducer.residual != 0
     assert int(kept.sum()) == 1000 - 20  # the 10 sent in each step are gone
-    assert torch.equal(reducer.residual[kept], 4 * before[kept])
+    assert torch.equal(reducer.residual[kept], before[kept])
 
 
 def _hook_skip_worker(rank: int, n: int, skip_at: int | None) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     ddp = DDP(model, bucket_cap_mb=0.001)  # several slabs, rolled back together
-    state = mddp.MicroState(density=0.05, transactional=True)
+    state = mddp.MicroState(density=0.05, nonfinite="raise")
     ddp.register_comm_hook(state, mddp.micro_hook)
     residuals = []
     for step in range(6):
@@ -321,7 +341,7 @@ def _hook_skip_worker(rank: int, n: int, skip_at: int | None) -> list[torch.Tens
     return residuals
 
 
-def test_a_transactional_hook_pass_that_raises_leaves_no_trace(tmp_path) -> None:
+def test_a_hook_pass_that_raises_leaves_no_trace(tmp_path) -> None:
     skipped = run_ranks(_hook_skip_worker, 2, tmp_path / "a", 2)
     never = run_ranks(_hook_skip_worker, 2, tmp_path / "b", None)
     for rank in range(2):

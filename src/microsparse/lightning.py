@@ -45,7 +45,7 @@ class SparseDDPStrategy(DDPStrategy):
     Args:
         density: fraction of the gradient entries sent per step.
         sparsifier: a name from :func:`microsparse.available_sparsifiers`.
-        value_dtype, timeout, transactional: as for :class:`microsparse.ddp.SparseState`.
+        value_dtype, timeout, nonfinite: as for :class:`microsparse.ddp.SparseState`.
         ddp_kwargs: keyword arguments of Lightning's ``DDPStrategy`` (e.g.
             ``{"find_unused_parameters": True}``).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
@@ -62,14 +62,14 @@ class SparseDDPStrategy(DDPStrategy):
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
-        transactional: bool = False,
+        nonfinite: str = "skip",
         ddp_kwargs: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         super().__init__(**(ddp_kwargs or {}))
         self._hook_arguments: dict[str, Any] = dict(
             sparsifier=sparsifier, density=density, value_dtype=value_dtype, timeout=timeout,
-            transactional=transactional, **options,
+            nonfinite=nonfinite, **options,
         )  # fmt: skip
         SparseState(**self._hook_arguments)  # the options' errors, now, in the user's code
         self.hook_state: SparseState | None = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections.abc import Iterable
@@ -19,12 +18,12 @@ from microsparse.comm.collectives import (
     check_agreement,
 )
 from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
-from microsparse.errors import NonFiniteGradientError
-from microsparse.feedback import ErrorFeedback, ResidualScale
+from microsparse.engine.step import NonFinite, scaler_scale
+from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
 from microsparse.sparsifiers.warmup import DensityWarmup
-from microsparse.stats import StepStats
+from microsparse.stats import Pending, StepStats
 
 ParameterSource = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -57,9 +56,14 @@ class GradientReducer:
         collectives: run the step's collectives on this object instead of a process group
             (anything with ``rank``, ``world_size`` and ``run(request)``, see
             :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.
-        transactional: a failed step (see below) leaves no trace: the residual, the sparsifier
-            and the step counter stay exactly as before the call. Costs one more write and one
-            more read pass over d per step.
+        nonfinite: what a NaN or Inf in any rank's gradient does. ``"skip"`` (default): the
+            step changes nothing, on every rank (residuals, sparsifier state), and writes NaN
+            where it would have written the average, so that a ``GradScaler`` skips it, or
+            an optimiser without one meets the NaN as it would with plain DDP; the host
+            never waits for the device to find out. ``"raise"``: every rank raises
+            :class:`microsparse.NonFiniteGradientError` from this call, naming the ranks and
+            parameters, before anything changed (the host reads one small tensor per step,
+            which on a GPU waits for the backward pass to finish).
         momentum_correction: momentum m of Deep Gradient Compression's momentum correction:
             every worker keeps a velocity u ← m·u + g, the residual accumulates u, and u is
             zeroed where values were sent (momentum factor masking). The average then
@@ -78,21 +82,19 @@ class GradientReducer:
             warm-up). The extra entries are real traffic; ``DensityWarmup.mean_density`` says
             what a schedule costs over a run.
         grad_scaler: the ``torch.amp.GradScaler`` whose scaled gradients are synchronised
-            (fp16 mixed precision; implies ``transactional``): an overflow skips the step on
-            every rank without raising, and the residual, kept in scaled units, is rescaled
-            whenever the scaler changes its scale.
+            (fp16 mixed precision): the residual holds unscaled gradients, whatever the
+            scaler does to its scale, and an overflow on any rank skips the step on every
+            rank (its average is NaN, which the scaler sees).
         **options: options of the chosen sparsifier, e.g. ``threshold_rule="as_coded"``.
 
-    Non-finite gradients. If any rank sends a NaN or Inf, every rank raises
-    :class:`microsparse.NonFiniteGradientError` in the same step, naming the step and the
-    parameters; nothing is written into ``p.grad``. Selection counts a NaN as larger than
-    anything, so it is sent, and seen, within n steps of reaching a residual, and the residual
-    is not usable afterwards (restore a checkpoint). With ``transactional=True`` a NaN or Inf
-    *anywhere* in any rank's gradient raises on every rank in that step, and the state is
-    exactly as before the call: catch the error and go on with the next batch. With a
-    ``grad_scaler`` it does not raise: every ``p.grad`` is set to NaN, so that
-    ``GradScaler.step`` skips the optimiser and lowers its scale on every rank, and the returned
-    statistics say ``skipped``.
+    Non-finite gradients. Every step first shares, in one small all-gather, whether each
+    rank's fresh gradient holds a NaN or Inf (one fused read pass over it) and each rank's step
+    counter. With ``nonfinite="skip"`` a failed step leaves every residual exactly as it was
+    and writes NaN (``StepStats.skipped`` says so when read); with ``"raise"`` every rank
+    raises in the same call. Ranks at different steps (calls to :meth:`synchronize` that do
+    not pair up, or checkpoints of different steps) raise
+    :class:`microsparse.ConfigMismatchError` on every rank at the first call after
+    construction or :meth:`load_state_dict`, and later skip every step they disagree on.
 
     The fp16 pattern::
 
@@ -125,7 +127,7 @@ class GradientReducer:
         process_group: dist.ProcessGroup | None = None,
         value_dtype: torch.dtype | None = None,
         collectives: Collectives | None = None,
-        transactional: bool = False,
+        nonfinite: NonFinite = "skip",
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
@@ -154,10 +156,9 @@ class GradientReducer:
         self.sparsifier = create_sparsifier(sparsifier, density, **options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
-        self.transactional = bool(transactional) or grad_scaler is not None
-        self._feedback = ErrorFeedback(self.layout, dtype, first.device, self.transactional,
-                                       momentum_correction, momentum_nesterov,
-                                       adam_correction)  # fmt: skip
+        self.nonfinite = nonfinite
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device, momentum_correction,
+                                       momentum_nesterov, adam_correction)  # fmt: skip
         self.momentum_correction = self._feedback.momentum
         self.adam_correction = self._feedback.adam
         self.density_warmup = warmup = DensityWarmup.of(density_warmup)
@@ -169,9 +170,10 @@ class GradientReducer:
             def schedule(step: int) -> int:
                 return warmup.target(step, self.sparsifier.density, final, numel)
 
-        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype, schedule)
+        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype, schedule,
+                                  nonfinite)  # fmt: skip
         self._output = GradientOutput(self._params, self.layout)
-        self._scaling = ResidualScale(grad_scaler)
+        self.grad_scaler = grad_scaler
         self.step = 0
         self.last_step: StepStats | None = None
         """Statistics of the most recent :meth:`synchronize`, or ``None`` before the first."""
@@ -208,24 +210,17 @@ class GradientReducer:
 
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
-        began = time.perf_counter()
-        self._scaling.follow(*(buffer.data for buffer in self._feedback.buffers))
+        clock = _Wall(self._feedback.residual.device)
         fresh = [p.grad for p in self._params]
+        scale = scaler_scale(self.grad_scaler)
+        protocol = self._engine.run(self.step, fresh, self._output, scale=scale)
         try:
-            report = run_blocking(self._engine.run(self.step, fresh, self._output), self._comm)
-        except NonFiniteGradientError:
-            self._engine.rollback()
-            if self._scaling.scaler is None:
-                raise
-            self._output.poison()  # the scaler sees the overflow, skips, and backs off
-            self.last_step = skipped_stats(self.step, self.sparsifier, self._engine)
-            return self.last_step
+            report = run_blocking(protocol, self._comm)
         except BaseException:
             self._engine.rollback()
             raise
         self._engine.commit()
-        wall = time.perf_counter() - began
-        self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, wall)
+        self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, clock.wall())
         self.step += 1
         return self.last_step
 
@@ -234,7 +229,7 @@ class GradientReducer:
         fingerprint = (
             f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
             f"{sorted(self.sparsifier.options().items())}|{self._feedback.residual.dtype}|"
-            f"{self.value_dtype}|{self.transactional}"
+            f"{self.value_dtype}|{self.nonfinite == 'raise'}"
         )
         if self.momentum_correction:  # absent otherwise: older states still load
             fingerprint += f"|momentum {self.momentum_correction} {self._feedback.nesterov}"
@@ -261,7 +256,6 @@ class GradientReducer:
             "velocity": None if velocity is None else velocity.clone(),
             "sparsifier": self.sparsifier.state_dict(),
             "fingerprint": self._fingerprint(),
-            "scale": self._scaling.scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,15 +279,16 @@ class GradientReducer:
             moment.copy_(saved_moment)
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
-        self._scaling.scale = state.get("scale")
+        self._engine.check_next = True  # the ranks' steps are compared at the next call
 
 
 def step_stats(
-    step: int, sparsifier: Any, report: StepReport, engine: SparseStep, wall: float
+    step: int, sparsifier: Any, report: StepReport, engine: SparseStep, wall: float | Pending
 ) -> StepStats:
     """The public :class:`StepStats` of one blocking step (its waiting is exchange time)."""
     numel, n = sparsifier.layout.numel, sparsifier.world_size
     element = engine.feedback.residual.element_size()
+    select = report.select_seconds
     return StepStats(
         step=step,
         numel=numel,
@@ -306,21 +301,30 @@ def step_stats(
         partition=report.partition,
         bytes_sent=report.bytes_sent,
         dense_bytes=all_reduce_bytes(numel * element, n),
-        select_seconds=report.select_seconds,
-        exchange_seconds=max(0.0, wall - report.select_seconds),
+        select_seconds=select,
+        exchange_seconds=Pending.combine(lambda t: max(0.0, t[0] - t[1]), [wall, select]),
         extra=report.extra,
         proposed=report.proposed,
         exchange=engine.framing.label,
+        skipped=report.skipped,
     )
 
 
-def skipped_stats(step: int, sparsifier: Any, engine: SparseStep) -> StepStats:
-    """The statistics of a step skipped for a non-finite gradient: nothing was averaged."""
-    numel, n = sparsifier.layout.numel, sparsifier.world_size
-    element = engine.feedback.residual.element_size()
-    return StepStats(step, numel, n, 0, sparsifier.target, math.nan, 0, 0, None, 0,
-                     all_reduce_bytes(numel * element, n), 0.0, 0.0, skipped=True,
-                     exchange=engine.framing.label)  # fmt: skip
+class _Wall:
+    """Wall time of a call: the host's clock on a CPU, CUDA events (read when asked) on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._start: Any = time.perf_counter()
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def wall(self) -> float | Pending:
+        if isinstance(self._start, float):
+            return time.perf_counter() - self._start
+        begin, end = self._start, torch.cuda.Event(enable_timing=True)
+        end.record()
+        return Pending(lambda: (end.synchronize(), begin.elapsed_time(end) / 1e3)[1])
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

@@ -1,10 +1,72 @@
-"""Per-step statistics that every sparsifier reports in the same shape."""
+"""Per-step statistics that every sparsifier reports in the same shape.
+
+A step on a GPU leaves some of its numbers on the device (the threshold it used, how many
+entries a shared threshold let through, whether it was skipped): reading one makes the host
+wait for the GPU. So :class:`StepStats` holds those as :class:`Pending` values and reads them
+only when a field is first asked for; a training loop that never reads them never waits.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
+
+
+class Pending:
+    """A number that a step left on the device, read (once) when first asked for.
+
+    Example:
+        >>> threshold = Pending.of(torch.tensor(0.25))
+        >>> threshold.get()
+        0.25
+        >>> Pending.combine(sum, [Pending.of(torch.tensor(2)), 3]).get()
+        5
+    """
+
+    __slots__ = ("_read", "_value", "_done")
+
+    def __init__(self, read: Callable[[], Any]) -> None:
+        self._read = read
+        self._value: Any = None
+        self._done = False
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Pending:
+        """The value of a 0-d (or one-element) tensor, as a Python number."""
+        return cls(tensor.item)
+
+    @classmethod
+    def combine(cls, how: Callable[[list[Any]], Any], parts: list[Any]) -> Any:
+        """``how`` of ``parts`` (numbers or Pending), itself Pending only if a part is."""
+        if not any(isinstance(part, Pending) for part in parts):
+            return how(parts)
+        return cls(lambda: how([resolve(part) for part in parts]))
+
+    def get(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._read(), True
+            self._read = None  # type: ignore[assignment]  # let the device tensors go
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Pending({self._value!r})" if self._done else "Pending(on the device)"
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        # Pickled (or deep-copied) as the number itself: a device tensor is not for a file.
+        return (_value, (self.get(),))
+
+
+def _value(value: Any) -> Any:
+    return value
+
+
+def resolve(value: Any) -> Any:
+    """``value`` itself, or what a :class:`Pending` holds."""
+    return value.get() if isinstance(value, Pending) else value
 
 
 @dataclass(frozen=True)
@@ -52,7 +114,19 @@ class StepStats:
     exchange: str = ""
     """The index framing: ``fixed``, ``padded``, ``union``, ``shared`` or ``dense``."""
     skipped: bool = False
-    """A NaN or Inf skipped the step (with a ``grad_scaler``): nothing averaged or kept."""
+    """A NaN or Inf in some rank's gradient (or ranks at different steps) skipped the step:
+    every residual is as it was before it, and the average is NaN where it was written."""
+
+    def __getattribute__(self, name: str) -> Any:
+        # Fields a step left on the device are read the first time they are asked for.
+        value = object.__getattribute__(self, name)
+        if isinstance(value, Pending):
+            value = value.get()
+            object.__setattr__(self, name, value)
+        elif name == "extra" and any(isinstance(v, Pending) for v in value.values()):
+            value = {key: resolve(v) for key, v in value.items()}
+            object.__setattr__(self, name, value)
+        return value
 
     @property
     def density(self) -> float:

@@ -30,9 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from microsparse.comm.framing import FRAMINGS, Fixed
+from microsparse.engine.step import Guard
 
-HEADER_BYTES = 8
-"""The int64 ``[step]`` header before a dense average or a leader's plan."""
+GUARD_BYTES = Guard.BYTES
+"""Every rank's non-finite flag and step, all-gathered at the start of every step."""
 FIXED_HEADER_SLOTS = Fixed.header_slots
 """Index slots of a ``fixed`` message that carry its header instead."""
 
@@ -131,16 +132,16 @@ def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, fl
     Example:
         >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
         >>> reducer_collectives(shape, 4)
-        [('all_gather', 16), ('all_gather', 1200), ('all_reduce', 4000)]
+        [('all_gather', 8), ('all_gather', 16), ('all_gather', 1200), ('all_reduce', 4000)]
     """
     if world_size == 1:
         return []
-    steps: list[tuple[str, float]] = []
+    steps: list[tuple[str, float]] = [("all_gather", GUARD_BYTES)]
     if shape.agreement_bytes:
         steps.append(("all_reduce", shape.agreement_bytes))
     planned = bool(shape.plan_bytes)
-    if planned:  # the step is checked before the leader plans
-        steps += [("all_gather", HEADER_BYTES), ("broadcast", shape.plan_bytes)]
+    if planned:
+        steps.append(("broadcast", shape.plan_bytes))
     framing = FRAMINGS[shape.exchange]
     steps += framing.collectives(shape.max_local_selected, shape.index_bytes, planned)
     values = shape.numel if shape.exchange == "dense" else shape.selected

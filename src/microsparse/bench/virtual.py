@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -124,11 +125,21 @@ class VirtualCluster:
         )  # fmt: skip
 
     def _protocol(self, rank: int, step: int, gradient_for: GradientSource) -> Generator:
-        # Rank r's gradient is written into the shared buffer just before its protocol starts
-        # (and compensates with it); run_together starts the ranks one after the other.
+        # The ranks share one gradient buffer, and run_together starts them one after the
+        # other: rank r's gradient is written into it before its step reads it, for the guard
+        # (up to its first request) and again for compensation and selection (up to its
+        # second). Later rounds read only the rank's own residual.
         def protocol() -> Generator:
-            fresh = gradient_for(rank, self._fresh)
-            return (yield from self.engines[rank].run(step, fresh, self._output))
+            inner = self.engines[rank].run(step, gradient_for(rank, self._fresh), self._output)
+            request = next(inner)
+            for round_ in itertools.count():
+                result = yield request
+                if round_ == 0:
+                    gradient_for(rank, self._fresh)
+                try:
+                    request = inner.send(result)
+                except StopIteration as done:
+                    return done.value
 
         return protocol()
 

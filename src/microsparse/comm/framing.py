@@ -9,15 +9,17 @@ learn all positions, and back into one position list that is identical on every 
 - :class:`Fixed`: one all-gather of a fixed-capacity message that carries its own header
   (count, step, proposals): one round instead of two. A rank with more proposals than slots
   sends its largest and keeps the rest in the residual. A density warm-up's extra slots
-  follow in a second round.
+  follow in a second round. Where every rank's count is known before the exchange (MiCRO's
+  quotas), the positions are decoded without reading anything back to the host.
 - :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
   step is checked.
 - :class:`Dense`: no indices; every entry is averaged.
 
 Each framing also lists its collectives for a message of a given size
-(:meth:`Framing.collectives`), which is all the cost model needs. The step's header check
-lives here too: a rank at another step raises ``ConfigMismatchError`` on every rank, because
-the header of every rank reaches every rank in the same round.
+(:meth:`Framing.collectives`), which is all the cost model needs. Where a framing's first
+round carries a header of counts, it also checks the step there: a rank at another step
+raises ``ConfigMismatchError`` on every rank, because the header of every rank reaches every
+rank in the same round (the engine's guard checks the step of every step anyway).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Proposal:
     """The flat accumulated gradient a (to keep the largest when a message is full)."""
     step: int
     counts: list[int] | None = None
-    """Every rank's count, when a leader's plan already fixed them (and checked the step)."""
+    """Every rank's count, when known before the exchange (a leader's plan, quotas)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class _Positions:
 
     def __init__(self) -> None:
         self._slot = torch.empty(0, dtype=torch.long)
+        self._known: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n, slots = rows.shape
@@ -100,6 +103,21 @@ class _Positions:
             self._slot = torch.arange(max(slots, 2 * self._slot.numel()), device=rows.device)
         limits = torch.tensor(counts, device=rows.device).unsqueeze(1)
         return rows[self._slot[:slots].unsqueeze(0) < limits].long()
+
+    def decode_known(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """As :meth:`decode`, for counts the host knew before the exchange: the slots to keep
+        are a gather whose index is made once per pattern of counts, so nothing is read back."""
+        n, slots = rows.shape
+        if all(count == slots for count in counts):
+            return rows.reshape(-1).long()
+        key = (tuple(counts), slots, rows.device)
+        keep = self._known.get(key)
+        if keep is None:
+            if len(self._known) > 4 * n:  # patterns rotate with the step: a few per rank
+                self._known.clear()
+            index = [r * slots + i for r, count in enumerate(counts) for i in range(count)]
+            keep = self._known[key] = torch.tensor(index, dtype=torch.long, device=rows.device)
+        return rows.reshape(-1).index_select(0, keep).long()
 
 
 def _count_header(proposal: Proposal) -> Generator[Collective, torch.Tensor, list[int]]:
@@ -201,18 +219,18 @@ class Fixed(Framing):
             local = local.index_select(0, keep)
         head, base = self.header_slots, self.base
         if self._message is None or self._message.device != local.device:
-            self._message = torch.empty(head + base, dtype=self.dtype, device=local.device)
+            self._message = torch.zeros(head + base, dtype=self.dtype, device=local.device)
         message = self._message
-        message[self._COUNT] = local.numel()
-        message[self._STEP] = proposal.step
-        message[self._PROPOSED] = proposed
+        if proposal.counts is None:  # else every rank knows the counts: no header to write
+            # Python numbers into a device tensor: kernel arguments, no copy from the host.
+            message[self._COUNT] = local.numel()
+            message[self._STEP] = proposal.step
+            message[self._PROPOSED] = proposed
         first = min(local.numel(), base)
         message[head : head + first] = local[:first]
-        message[head + first :] = 0  # what is not a position must not leak
+        if head + first < message.numel():
+            message[head + first :] = 0  # what is not a position must not leak
         rows = yield Collective("all_gather", message, "indices")
-        header = rows[:, :head].tolist()
-        check_steps([row[self._STEP] for row in header])
-        counts = [row[self._COUNT] for row in header]
         slots = rows[:, head:]
         if self.capacity > base:
             overflow = self._overflow_buffer(local.device)
@@ -220,6 +238,12 @@ class Fixed(Framing):
             overflow[local.numel() - first :] = 0
             more = yield Collective("all_gather", overflow, "indices")
             slots = torch.cat([slots, more], dim=1)
+        if proposal.counts is not None:  # known to every rank before: nothing to read back
+            counts = proposal.counts
+            positions = self._decoder.decode_known(slots, counts)
+            return Exchanged(positions, local.numel(), self.capacity, sum(counts), proposed)
+        header = rows[:, :head].tolist()
+        counts = [row[self._COUNT] for row in header]
         positions = self._decoder.decode(slots, counts)
         proposals = sum(row[self._PROPOSED] for row in header)
         return Exchanged(positions, local.numel(), self.capacity, proposals, proposed)
@@ -268,28 +292,26 @@ class Shared(Framing):
 
 
 class Dense(Framing):
-    """No indices: a header round checks the step; then every entry is averaged.
+    """No indices: every entry is averaged (the engine's guard has checked the step).
 
     Example:
         >>> Dense.collectives(slots=0, index_bytes=4)
-        [('all_gather', 8)]
+        []
     """
 
     name = "dense"
     label = "dense"
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
-        header = torch.tensor([proposal.step], device=proposal.accumulated.device)
-        rows = (yield Collective("all_gather", header, "header")).tolist()
-        check_steps([row[0] for row in rows])
         numel = proposal.accumulated.numel()
         return Exchanged(proposal.local, numel, 0, numel, numel)
+        yield  # a generator that asks for nothing
 
     @classmethod
     def collectives(
         cls, slots: float, index_bytes: int, counts_known: bool = False
     ) -> list[tuple[Kind, float]]:
-        return [("all_gather", 8)]
+        return []
 
 
 FRAMINGS: dict[str, type[Framing]] = {

@@ -1,6 +1,7 @@
 """Sparse gradient averaging as a DDP communication hook, overlapped with the backward pass."""
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations as objects.
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -11,8 +12,7 @@ from microsparse.comm.collectives import check_agreement
 from microsparse.ddp.slabs import Job
 from microsparse.ddp.state import PassRecord, SparseState, _Binding
 from microsparse.engine import StepReport
-from microsparse.engine.step import Protocol_
-from microsparse.errors import NonFiniteGradientError
+from microsparse.engine.step import Protocol_, scaler_scale
 
 
 def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -40,10 +40,14 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     At the first pass every rank checks that all ranks hold the same options (one small
     all-gather): ranks that disagree would otherwise issue collectives of different sizes.
 
+    A NaN or Inf in any rank's gradient skips the pass on every rank (no residual changes;
+    the buckets hold NaN where the average would be) without the host waiting for the device,
+    or, with ``nonfinite="raise"``, raises.
+
     .. warning::
-        An error in any slab's step (a NaN or Inf in what is sent, ranks at different steps)
-        is raised from ``backward()`` on every rank, as itself, after DDP has finished the
-        pass; the step counter does not advance.
+        An error in any slab's step (``nonfinite="raise"`` and a NaN or Inf, ranks at
+        different steps) is raised from ``backward()`` on every rank, as itself, after DDP
+        has finished the pass; the step counter does not advance.
 
     Example::
         >>> state = microsparse.ddp.MicroState(density=0.001)               # doctest: +SKIP
@@ -115,15 +119,21 @@ def _average_densely(
 
 
 class _Chain:
-    """One slab's step as a chain of futures: each round issued when the previous completed."""
+    """One slab's step as a chain of futures: each round issued when the previous completed.
+
+    On a GPU every stage runs on the stream the hook was called on: a ``.then()`` callback
+    starts on a stream of torch's pool, and a temporary made on one stream and read on
+    another could be handed out again by the caching allocator while still being read.
+    """
 
     def __init__(
         self, state: SparseState, binding: _Binding, record: PassRecord, job: Job, sequence: int
     ) -> None:
         self.binding, self.record, self.job, self.sequence = binding, record, job, sequence
-        self.skips = state.scaling.scaler is not None
+        device = job.slab.feedback.residual.device
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         self.protocol: Protocol_ = job.slab.engine.run(
-            state.step, job.fresh, job.output, job.exclude
+            state.step, job.fresh, job.output, job.exclude, scaler_scale(state.grad_scaler)
         )
         with record.lock:
             record.ran.append(job)
@@ -139,14 +149,6 @@ class _Chain:
                 raise RuntimeError(f"the step asked for more than {following} collective rounds")
         except StopIteration as done:
             self._end(following, done.value)
-            return
-        except NonFiniteGradientError as error:
-            if self.skips:  # every rank saw it in the same sum: the pass is skipped
-                self.job.output.poison()  # GradScaler then sees the overflow and skips too
-                self.record.skipped = True
-            else:
-                self.record.fail(error)
-            self._end(following, None)
             return
         except BaseException as error:  # noqa: BLE001 - every error must reach backward()
             self.record.fail(error)
@@ -164,13 +166,14 @@ class _Chain:
 
     def _completed(self, round_: int) -> Callable[[torch.futures.Future], None]:
         def completed(future: torch.futures.Future) -> None:
-            try:
-                result = future.value()
-            except BaseException as error:  # noqa: BLE001 - a failed collective
-                self.record.fail(error)
-                self._end(round_ + 1, None)
-                return
-            self._resume(round_, result)
+            with _on(self.stream):
+                try:
+                    result = future.wait()  # the hook's stream waits for the collective
+                except BaseException as error:  # noqa: BLE001 - a failed collective
+                    self.record.fail(error)
+                    self._end(round_ + 1, None)
+                    return
+                self._resume(round_, result)
 
         return completed
 
@@ -182,6 +185,10 @@ class _Chain:
             with self.record.lock:
                 self.record.reports.append((self.job, report))
         _slab_done(self.record, self.job.key)
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _slab_done(record: PassRecord, key: object) -> None:
@@ -198,7 +205,6 @@ def _slab_done(record: PassRecord, key: object) -> None:
 
 
 def _begin_pass(state: SparseState, binding: _Binding, device: torch.device) -> PassRecord:
-    state.scaling.follow(*(b.data for slab in binding.slabs.slabs for b in slab.feedback.buffers))
     record = PassRecord(state.step)
     binding.current = record
     for launcher in binding.launchers:
@@ -227,8 +233,7 @@ def _begin_pass(state: SparseState, binding: _Binding, device: torch.device) -> 
 
 def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None:
     """After DDP has finished the pass: commit every slab's step and publish the statistics,
-    or roll them all back, and skip the pass (an overflow under a ``grad_scaler``) or raise
-    its error."""
+    or roll them all back and raise its error."""
     binding.current = None
     binding.slabs.end_pass()
     if state.speed is not None:
@@ -240,13 +245,10 @@ def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None
         return
     if record.ran:
         binding.clean = False
-    if record.error is not None or record.skipped:
+    if record.error is not None:
         for job in record.ran:
             job.slab.engine.rollback()
-        if record.error is not None:
-            raise record.error
-        state.last_step = record.skipped_stats(binding.world_size)
-        return
+        raise record.error
     for job in record.ran:
         job.slab.engine.commit()
     if record.reports:

@@ -32,6 +32,7 @@ import torch
 
 from microsparse.comm.framing import Dense
 from microsparse.engine import FlatOutput, SparseOutput, SparseStep
+from microsparse.engine.step import NonFinite
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier
@@ -77,7 +78,7 @@ class Slab:
         rank: int,
         world_size: int,
         value_dtype: torch.dtype | None,
-        transactional: bool = False,
+        nonfinite: NonFinite = "skip",
         momentum: tuple[float, bool] = (0.0, False),
         warmup: DensityWarmup | None = None,
         adam: tuple[float, float, float] | None = None,
@@ -91,11 +92,10 @@ class Slab:
         dtype = torch.promote_types(torch.float32, params[0].dtype)
         for p in params:
             dtype = torch.promote_types(dtype, p.dtype)
-        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, transactional,
-                                      *momentum, adam)  # fmt: skip
+        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, *momentum, adam)
         self.engine = SparseStep(sparsifier, self.feedback, value_dtype,
                                  _slab_schedule(warmup, sparsifier.density, offset, target,
-                                                self.layout.numel))  # fmt: skip
+                                                self.layout.numel), nonfinite)  # fmt: skip
         self._output: SparseOutput | None = None
 
     def output_for(self, buffer: torch.Tensor) -> FlatOutput | SparseOutput:
@@ -139,8 +139,8 @@ class PiecesOutput:
         for view, offset, size in zip(self._views, self._layout.offsets, self._layout.sizes):
             flat = view.view(-1)
             flat.zero_()
-            inside = (positions >= offset) & (positions < offset + size)
-            flat.index_copy_(0, positions[inside] - offset, values[inside].to(flat.dtype))
+            local, inside = _within(positions, offset, size)
+            flat.index_add_(0, local, values.where(inside, 0).to(flat.dtype))
 
     def poison(self) -> None:
         for view in self._views:
@@ -184,8 +184,9 @@ class BucketsOutput:
         local = positions + self._shift[parameter]
         bucket = self._bucket[parameter]
         for number, output in enumerate(self._outputs):
+            # Every bucket gets every slot; slots of other buckets add 0 at position 0.
             inside = bucket == number
-            output.write(local[inside], values[inside])
+            output.write(local.where(inside, 0), values.where(inside, 0))
 
     def poison(self) -> None:
         for output in self._outputs:
@@ -195,17 +196,26 @@ class BucketsOutput:
         raise NotImplementedError("dense slabs always follow DDP's buckets one to one")
 
 
+def _within(positions: torch.Tensor, offset: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions − offset`` where they fall in [offset, offset + size), else 0; and where."""
+    local = positions - offset
+    inside = (local >= 0) & (local < size)
+    return local.where(inside, 0), inside
+
+
 def bucket_output(
     buffer: torch.Tensor, first: torch.Tensor, kept: SparseOutput | None
 ) -> FlatOutput | SparseOutput:
     """Where the sparse average of DDP's bucket ``buffer`` goes, ``first`` its first parameter.
 
-    DDP copies the hook's result into every ``p.grad``, so a buffer of our own (``kept``, if
-    it still fits), rewritten in O(K), saves zeroing the bucket every step. Gradients that are
-    views of the bucket (``gradient_as_bucket_view=True``) use the bucket itself.
+    DDP copies the hook's result into every ``p.grad``. On a CPU a buffer of our own
+    (``kept``, if it still fits), rewritten in O(K), saves zeroing the bucket every step; on a
+    GPU, where zeroing costs next to nothing and memory is what is short, the bucket itself
+    is used, as it is for gradients that are views of the bucket
+    (``gradient_as_bucket_view=True``).
     """
     grad, storage = first.grad, buffer.untyped_storage().data_ptr()
-    if grad is not None and grad.untyped_storage().data_ptr() == storage:
+    if buffer.is_cuda or (grad is not None and grad.untyped_storage().data_ptr() == storage):
         return FlatOutput(buffer)
     if kept is None or kept.data.dtype != buffer.dtype or kept.data.shape != buffer.shape:
         return SparseOutput(torch.zeros_like(buffer))
@@ -241,7 +251,7 @@ class Slabs:
         rank: int,
         world_size: int,
         value_dtype: torch.dtype | None,
-        transactional: bool = False,
+        nonfinite: NonFinite = "skip",
         momentum: tuple[float, bool] = (0.0, False),
         warmup: DensityWarmup | None = None,
         adam: tuple[float, float, float] | None = None,
@@ -252,7 +262,7 @@ class Slabs:
         self._bucket_outputs: dict[int, SparseOutput] = {}  # one_exchange: kept per bucket
         self._spread: tuple[object, BucketsOutput] | None = None
         self.warmup = warmup
-        self.transactional = transactional
+        self.nonfinite = nonfinite
         self.momentum = momentum
         """Momentum correction (m, Nesterov): each parameter then carries a velocity too."""
         self.adam = adam
@@ -401,7 +411,7 @@ class Slabs:
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
         slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype, self.transactional, self.momentum, self.warmup,
+                    self.value_dtype, self.nonfinite, self.momentum, self.warmup,
                     self.adam)  # fmt: skip
         for index, p in enumerate(params):
             previous = self.memory(p)

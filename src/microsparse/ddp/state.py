@@ -18,12 +18,13 @@ from microsparse.ddp.choice import SpeedChoice, check_min_speedup
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import Job, Slabs
 from microsparse.engine import StepReport
-from microsparse.feedback import ResidualScale, check_adam, check_momentum
+from microsparse.engine.step import NONFINITE, NonFinite
+from microsparse.feedback import check_adam, check_momentum
 from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
 from microsparse.sparsifiers.warmup import DensityWarmup
-from microsparse.stats import StepStats
+from microsparse.stats import Pending, StepStats
 
 VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
 
@@ -41,14 +42,16 @@ class SparseState:
             every sparsifier averages densely, exactly as DDP does.
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
-        transactional: a failed pass (a NaN or Inf anywhere in any rank's gradient, ranks at
-            different steps) leaves every residual, sparsifier and the step counter exactly as
-            they were before it; the error is raised from ``backward()`` on every rank (one
-            more write and one more read pass per step).
-        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (implies
-            ``transactional``): an overflow does not raise; the buckets hold NaN, so that the
-            scaler skips the optimiser step and backs off on every rank, and the residuals, in
-            scaled units, are rescaled whenever it changes its scale.
+        nonfinite: what a NaN or Inf in any rank's gradient does, as in
+            :class:`microsparse.GradientReducer`. ``"skip"`` (default): the pass changes no
+            residual, and the buckets hold NaN where they would hold the average (a
+            ``GradScaler`` then skips the step), without the host waiting for the device.
+            ``"raise"``: every rank raises ``NonFiniteGradientError`` from ``backward()``
+            after DDP has finished the pass, with everything as before it (the host reads one
+            small tensor per bucket).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss: the residuals hold
+            unscaled gradients whatever it does to its scale, and the buckets receive the
+            average scaled, as DDP would hand them over.
         timeout: seconds the hook's own collectives may wait for a peer (``None``: torch's
             default for new process groups; it does not inherit the default group's).
         momentum_correction: momentum m of Deep Gradient Compression's momentum correction,
@@ -72,7 +75,7 @@ class SparseState:
             ``min_speedup`` times faster sparse than dense (summed over ranks), else averages
             densely, as DDP does, from then on (each rank's residual sent along once).
             ``None`` (default): always sparse. Sparse training needs more steps to the same
-            accuracy, so ask for a margin, e.g. 1.1. Not with ``transactional``,
+            accuracy, so ask for a margin, e.g. 1.1. Not with ``nonfinite="raise"``,
             ``grad_scaler``, ``momentum_correction`` or ``adam_correction``.
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``.
 
@@ -93,7 +96,7 @@ class SparseState:
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
-        transactional: bool = False,
+        nonfinite: NonFinite = "skip",
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
@@ -112,8 +115,10 @@ class SparseState:
         self.options = dict(options)
         self.value_dtype = value_dtype
         self.timeout = timeout
-        self.transactional = bool(transactional) or grad_scaler is not None
-        self.scaling = ResidualScale(grad_scaler)
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.grad_scaler = grad_scaler
         self.process_group = process_group
         self.momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
         self.adam = None if adam_correction is None else check_adam(adam_correction)
@@ -145,7 +150,7 @@ class SparseState:
             )
         if self.min_speedup is not None:
             clashing = [name for name, on in (
-                ("transactional", self.transactional and grad_scaler is None),
+                ("nonfinite='raise'", nonfinite == "raise"),
                 ("grad_scaler", grad_scaler is not None),
                 ("momentum_correction", bool(self.momentum[0])),
                 ("adam_correction", self.adam is not None),
@@ -202,7 +207,7 @@ class SparseState:
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
         slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.transactional, self.momentum, self.density_warmup,
+                      self.nonfinite, self.momentum, self.density_warmup,
                       self.adam, self.one_exchange and not self.averages_densely)  # fmt: skip
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
@@ -252,7 +257,7 @@ class SparseState:
             "density": self.density,
             "options": sorted(self.options.items()),
             "value_dtype": str(self.value_dtype),
-            "transactional": self.transactional,
+            "transactional": self.nonfinite == "raise",
         }
         if self.momentum[0]:  # absent otherwise: older states still load
             config["momentum_correction"] = list(self.momentum)
@@ -292,7 +297,6 @@ class SparseState:
             "rank": rank,
             "world_size": world_size,
             "slabs": slabs,
-            "scale": self.scaling.scale,
         }
         if self.speed is not None:
             state["speed"] = self.speed.state_dict()
@@ -319,7 +323,6 @@ class SparseState:
         else:
             self._pending = state
         self.step = int(state["step"])
-        self.scaling.scale = state.get("scale")
         if self.speed is not None:
             self.speed.load_state_dict(state.get("speed", {}))
 
@@ -337,7 +340,7 @@ class SparseState:
             "args": (self.sparsifier, self.density),
             "value_dtype": self.value_dtype,
             "timeout": self.timeout,
-            "transactional": self.transactional,
+            "nonfinite": self.nonfinite,
             "momentum": self.momentum,
             "density_warmup": self.density_warmup,
             "adam": self.adam,
@@ -350,7 +353,7 @@ class SparseState:
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # Process groups do not pickle: the copy binds to the default group on first use.
         SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
-                             timeout=saved.get("timeout"), transactional=saved["transactional"],
+                             timeout=saved.get("timeout"), nonfinite=saved.get("nonfinite", "skip"),
                              momentum_correction=saved.get("momentum", (0.0, False))[0],
                              momentum_nesterov=saved.get("momentum", (0.0, False))[1],
                              adam_correction=saved.get("adam"),
@@ -379,7 +382,7 @@ class MicroState(SparseState):
         *,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
-        transactional: bool = False,
+        nonfinite: NonFinite = "skip",
         grad_scaler: Any = None,
         momentum_correction: float = 0.0,
         momentum_nesterov: bool = False,
@@ -389,7 +392,7 @@ class MicroState(SparseState):
         **options: Any,
     ) -> None:
         super().__init__("micro", density, process_group, value_dtype=value_dtype,
-                         timeout=timeout, transactional=transactional, grad_scaler=grad_scaler,
+                         timeout=timeout, nonfinite=nonfinite, grad_scaler=grad_scaler,
                          momentum_correction=momentum_correction,
                          momentum_nesterov=momentum_nesterov, density_warmup=density_warmup,
                          one_exchange=one_exchange, min_speedup=min_speedup,
@@ -426,7 +429,6 @@ class PassRecord:
     ran: list[Job] = field(default_factory=list)
     """Every slab step started this pass (committed or rolled back together at its end)."""
     error: BaseException | None = None
-    skipped: bool = False
     buckets: dict[int, tuple[torch.futures.Future, torch.Tensor, set]] = field(
         default_factory=dict
     )
@@ -447,13 +449,6 @@ class PassRecord:
             if self.error is None:
                 self.error = error
 
-    def skipped_stats(self, world_size: int) -> StepStats:
-        numel = sum(job.slab.layout.numel for job in self.ran)
-        target = sum(job.slab.sparsifier.target for job in self.ran)
-        dense = all_reduce_bytes(numel * 4, world_size)
-        return StepStats(self.step, numel, world_size, 0, target, float("nan"), 0, 0, None, 0,
-                         dense, 0.0, 0.0, skipped=True)  # fmt: skip
-
     def dense_stats(self, world_size: int, density: float) -> StepStats:
         numel = self.dense_numel
         dense = all_reduce_bytes(self.dense_bytes, world_size)
@@ -467,37 +462,42 @@ class PassRecord:
         numel = sum(job.slab.layout.numel for job, _ in self.reports)
         largest = max(self.reports, key=lambda item: item[0].slab.layout.numel)
         element = largest[0].slab.feedback.accumulated.element_size()
+
+        def total(name: str) -> Any:
+            return Pending.combine(sum, [getattr(r, name) for r in reports])
+
         return StepStats(
             step=self.step,
             numel=numel,
             world_size=world_size,
-            selected=sum(r.selected for r in reports),
+            selected=total("selected"),
             target=sum(job.slab.sparsifier.target for job, _ in self.reports),
             threshold=largest[1].threshold,
-            local_selected=sum(r.local_selected for r in reports),
+            local_selected=total("local_selected"),
             max_local_selected=sum(r.message_slots for r in reports),
             partition=None,
             bytes_sent=sum(r.bytes_sent for r in reports),
             dense_bytes=all_reduce_bytes(numel * element, world_size),
-            select_seconds=sum(r.select_seconds for r in reports),
-            exchange_seconds=sum(r.finish_seconds for r in reports),
+            select_seconds=total("select_seconds"),
+            exchange_seconds=total("finish_seconds"),
             extra={"slabs": len(reports)},
-            proposed=sum(r.proposed for r in reports),
+            proposed=total("proposed"),
             exchange=largest[0].slab.engine.framing.label,
+            skipped=Pending.combine(any, [r.skipped for r in reports]),
         )
 
 
 def _rounds(sparsifier: Sparsifier, warmup: bool = False) -> int:
-    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol);
-    a ``warmup`` adds the fixed index message's overflow round."""
+    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol):
+    the guard, a plan or an agreement if any, the index exchange (a padded one has a count
+    header first; a ``warmup`` adds the fixed message's overflow round), the values."""
     framing = sparsifier.framing()
     if isinstance(framing, Dense):
-        return 2  # header, values
-    if sparsifier.planned:  # header, plan, (indices,) values
+        return 2
+    if sparsifier.planned:
         return 3 + isinstance(framing, Padded)
-    # (agreement,) the index exchange (a padded one has a count header first), values
     exchange = 2 if isinstance(framing, Padded) or (warmup and isinstance(framing, Fixed)) else 1
-    return int(sparsifier.agrees) + exchange + 1
+    return 1 + int(sparsifier.agrees) + exchange + 1
 
 
 def _probe_layout() -> Layout:

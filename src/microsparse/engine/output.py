@@ -1,6 +1,9 @@
 """Where a step writes the averaged gradient: a flat tensor, or every ``p.grad`` of a model.
 
-The average is sparse: K of d entries are non-zero. Writing it must not cost a dense pass when
+The average is sparse: K of d entries are non-zero. It is written by adding the values into
+zeros (``index_add_``): positions are distinct, and a writer that hands every output every
+slot (a slab spread over several buckets) points the slots that are not its own at position
+0 with the value 0, which changes nothing. Writing it must not cost a dense pass when
 it need not: :class:`SparseOutput` keeps one flat buffer, clears only the previous step's K
 positions, and falls back to one zeroing pass only when something else wrote into it in
 between (which its version counter shows: autograd accumulating into it,
@@ -34,7 +37,7 @@ class FlatOutput:
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         self.data.zero_()
-        self.data.index_copy_(0, positions, values.to(self.data.dtype))
+        self.data.index_add_(0, positions, values.to(self.data.dtype))
 
     def poison(self) -> None:
         self.data.fill_(math.nan)
@@ -70,7 +73,7 @@ class SparseOutput:
             data.index_fill_(0, self._written, 0)
         else:
             data.zero_()
-        data.index_copy_(0, positions, values.to(data.dtype))
+        data.index_add_(0, positions, values.to(data.dtype))
         self._written = positions
         self._written_by_us()
 

@@ -4,23 +4,28 @@ A *slab* is a flat vector of parameters (the whole model for ``GradientReducer``
 of DDP's buckets for the hook) with its error-feedback residual. :meth:`SparseStep.run` is the
 whole protocol of one step, top to bottom:
 
-1. **compensate**: add the fresh gradients into the residual in place, a = e + g;
-2. **pre-selection round**, if the sparsifier asks for one: a leader's plan (header check,
-   then a broadcast) or an all-ranks sum such as MiCRO's threshold histogram;
-3. **select**: the sparsifier proposes this rank's positions;
-4. **index exchange**: the sparsifier's framing (``microsparse.comm.framing``) makes every
-   rank learn all positions, checking that every rank is at the same step;
-5. **values**: gather a at those positions (rounded to the wire dtype if asked, the rounding
+1. **guard**: every rank shares, in one small all-gather, whether its fresh gradient holds a
+   NaN or Inf (one fused read pass) and its step counter (:class:`Guard`);
+2. **compensate**: add the fresh gradients into the residual in place, a = e + g;
+3. **pre-selection round**, if the sparsifier asks for one: a leader's plan, or an all-ranks
+   sum such as MiCRO's threshold histogram;
+4. **select**: the sparsifier proposes this rank's positions;
+5. **index exchange**: the sparsifier's framing (``microsparse.comm.framing``) makes every
+   rank learn all positions;
+6. **values**: gather a at those positions (rounded to the wire dtype if asked, the rounding
    kept in the residual), forget them locally (the new residual), all-reduce;
-6. **finish**: check the sum is finite (a NaN or Inf that any rank sent shows in it on every
-   rank), divide by n, write the sparse average, tell the sparsifier the global count.
+7. **finish**: divide by n, write the sparse average, tell the sparsifier the global count.
 
-The driver then commits the step (:meth:`~SparseStep.commit`), or rolls it back
-(:meth:`~SparseStep.rollback`) after an error. With a transactional residual
-(``ErrorFeedback(..., transactional=True)``) a rolled-back step leaves no trace, and every
-entry is checked, not only those sent: each rank adds one slot to the values it all-reduces,
-NaN if its accumulated gradient holds a NaN or Inf anywhere, so that every rank sees any
-rank's non-finite gradient in the same sum.
+A step whose guard finds a NaN or Inf on any rank, or ranks at different steps, leaves every
+residual exactly as it was. Where the sparsifier fixes every size of the step in advance
+(MiCRO's quotas, dense), nothing in it is read back to the host: the guard's verdict stays
+on the device, the fused kernels of ``compensate`` and the masked writes of ``forget`` obey
+it, and the average is written as NaN, so that a ``GradScaler`` skips the step and an
+unscaled optimiser meets the NaN as it would with plain DDP. The host reads the verdict only
+at the first step after a start or a restore (where disagreeing ranks are found), with
+``nonfinite="raise"`` (to raise :class:`~microsparse.NonFiniteGradientError` on every rank
+before anything changed), and for sparsifiers whose sizes depend on the data, which read
+counts on the host anyway: there a failed step is skipped, or raised, before it begins.
 
 It never calls ``torch.distributed``. It *yields* each collective as a
 :class:`~microsparse.comm.Collective` request and is sent the result, so one protocol serves
@@ -50,17 +55,20 @@ import math
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
 from microsparse.comm.framing import Dense, Fixed, Proposal, Shared
 from microsparse.errors import NonFiniteGradientError
-from microsparse.feedback import ErrorFeedback, Fresh, any_nonfinite
+from microsparse.feedback import ErrorFeedback, Fresh, flag_nonfinite
 from microsparse.sparsifiers import Sparsifier
+from microsparse.stats import Pending
 
 Protocol_ = Generator[Collective, torch.Tensor, "StepReport"]
+NonFinite = Literal["skip", "raise"]
+NONFINITE = ("skip", "raise")
 
 
 class Output(Protocol):
@@ -72,27 +80,82 @@ class Output(Protocol):
     def dense(self, fresh: Fresh) -> torch.Tensor:
         """The fresh gradient as one flat tensor that *is* the output (averaged in place)."""
 
+    def poison(self) -> None:
+        """Fill with NaN: a skipped step (a ``GradScaler`` then skips it too)."""
+
 
 @dataclass
 class StepReport:
-    """What one step of one slab selected, sent and cost (local times only)."""
+    """What one step of one slab selected, sent and cost (local times only).
 
-    selected: int
-    local_selected: int
+    Numbers the step left on the device (a threshold, a count that depends on the data,
+    whether it was skipped, times taken with CUDA events) are :class:`~microsparse.stats.Pending`.
+    """
+
+    selected: int | Pending
+    local_selected: int | Pending
     message_slots: int
-    proposed: int
+    proposed: int | Pending
     bytes_sent: int
-    threshold: float
-    select_seconds: float
-    """Local work up to the end of selection (compensation, plan or agreement, selection)."""
-    finish_seconds: float
-    """Local work after selection (framing, decoding, gathering, writing), no waiting."""
+    threshold: float | Pending
+    select_seconds: float | Pending
+    """Local work up to the end of selection (guard, compensation, plan or agreement, selection)."""
+    finish_seconds: float | Pending
+    """Local work after selection (framing, decoding, gathering, writing), no waiting; on a
+    GPU, the device's time from the end of selection to the end of the step."""
     extra: dict[str, Any] = field(default_factory=dict)
     partition: tuple[int, int] | None = None
-    local_proposed: int = 0
+    local_proposed: int | Pending = 0
     """This rank's proposals before a fixed message's capacity cut them."""
     message_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes of this rank's message in each kind of request (``Collective.what``)."""
+    skipped: bool | Pending = False
+    """A NaN or Inf on some rank (or ranks at different steps): nothing changed."""
+
+
+class Guard:
+    """The first round of every step: each rank's non-finite flag and step, all-gathered.
+
+    The flag comes from one fused read pass over the fresh gradients
+    (:func:`~microsparse.feedback.flag_nonfinite`), written straight into the message; the
+    verdict, 1 if any rank's flag is set or any rank's step differs, stays on the device
+    (:meth:`skip`) unless read (:meth:`check`).
+
+    Example:
+        >>> guard = Guard(torch.device("cpu"))
+        >>> request = guard.request([torch.tensor([1.0, float("inf")])], step=3)
+        >>> rows = request.tensor.unsqueeze(0)           # a group of one
+        >>> guard.skip(rows)
+        tensor([1.])
+    """
+
+    BYTES = 8
+    """Each rank's message: the flag and the step (modulo 2**24, exact in float32)."""
+    PERIOD = 2**24
+
+    def __init__(self, device: torch.device) -> None:
+        self._message = torch.zeros(2, dtype=torch.float32, device=device)
+        self._expected = torch.zeros(2, dtype=torch.float32, device=device)
+
+    def request(self, fresh: Fresh, step: int) -> Collective:
+        """Flag this rank's gradient and return the all-gather of [flag, step]."""
+        flag_nonfinite(fresh, self._message[:1])
+        # Kernel arguments, not copies from the host.
+        self._message[1:].fill_(step % self.PERIOD)
+        self._expected[1:].fill_(step % self.PERIOD)
+        return Collective("all_gather", self._message, "guard")
+
+    def skip(self, rows: torch.Tensor) -> torch.Tensor:
+        """1 (one-element float32, on the device) if any rank flagged or is at another step."""
+        return rows.ne(self._expected).any().to(torch.float32).view(1)
+
+    @staticmethod
+    def check(rows: torch.Tensor, what: str = "synchronize()") -> list[int]:
+        """Read the rows on the host: raise ``ConfigMismatchError`` if the ranks' steps
+        differ; return the ranks whose gradient holds a NaN or Inf."""
+        table = rows.tolist()
+        check_steps([int(row[1]) for row in table], what)
+        return [rank for rank, row in enumerate(table) if row[0]]
 
 
 class SparseStep:
@@ -104,6 +167,9 @@ class SparseStep:
         value_dtype: send the selected values as this dtype (``torch.float16`` or
             ``torch.bfloat16``); each rank's rounding error stays in its residual.
         schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
+        nonfinite: ``"skip"``: a step with a NaN or Inf on any rank changes nothing and
+            writes NaN; ``"raise"``: every rank raises ``NonFiniteGradientError`` instead
+            (the host reads the guard at every step).
     """
 
     def __init__(
@@ -112,6 +178,7 @@ class SparseStep:
         feedback: ErrorFeedback,
         value_dtype: torch.dtype | None = None,
         schedule: Callable[[int], int] | None = None,
+        nonfinite: NonFinite = "skip",
     ) -> None:
         self.sparsifier = sparsifier
         self.framing = sparsifier.framing()
@@ -132,10 +199,16 @@ class SparseStep:
                 "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
                 "momentum"
             )
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
         self.feedback = feedback
         self.value_dtype = value_dtype
+        self.nonfinite = nonfinite
         self.rank = sparsifier.rank
         self.world_size = sparsifier.world_size
+        self.guard = Guard(feedback.residual.device)
+        self.check_next = True
+        """Read the next step's guard on the host (the first step after a start or restore)."""
 
     def run(
         self,
@@ -143,57 +216,67 @@ class SparseStep:
         fresh: Fresh,
         output: Output,
         exclude: Sequence[tuple[int, int]] = (),
+        scale: torch.Tensor | None = None,
     ) -> Protocol_:
         """The requests of step ``step``; returns its :class:`StepReport`.
 
-        ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none).
-        ``exclude`` lists ranges [start, end) of the slab that this rank did not use (DDP
-        drops the average of a parameter that no rank used). This rank proposes nothing
-        there; where a leader's plan (CLT-k, DEFT) or the oracle's sum fixes the positions,
-        it sends 0 at those inside the ranges and keeps its residual there.
+        ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none); it
+        may be overwritten. ``exclude`` lists ranges [start, end) of the slab that this rank
+        did not use (DDP drops the average of a parameter that no rank used). This rank
+        proposes nothing there; where a leader's plan (CLT-k, DEFT) or the oracle's sum fixes
+        the positions, it sends 0 at those inside the ranges and keeps its residual there.
+        ``scale``: a one-element tensor the gradients are scaled by (a ``GradScaler``'s): the
+        residual keeps unscaled values, and the average is written scaled.
         """
         self._snapshot = self.sparsifier.state_dict()
+        clock = _Clock(self.feedback.residual.device)
+        rows = yield from clock.local(_single(self.guard.request(fresh, step)))
         if isinstance(self.framing, Dense):
-            return (yield from self._dense(step, fresh, output))
+            return (yield from self._dense(step, fresh, output, rows, clock))
         if self.schedule is not None:
             self._follow_schedule(step)
-        clock = _Clock()
         sparsifier = self.sparsifier
-        self.feedback.compensate(fresh, step)
+        counts = sparsifier.counts(step)
+        skip: torch.Tensor | None = None
+        # Only where every size is known before the data (quotas in a fixed message) does
+        # the step run without reading anything back; elsewhere the guard is read first.
+        sync_free = counts is not None and not exclude and isinstance(self.framing, Fixed)
+        if self._read_guard(sync_free):
+            bad = self._checked(rows, step, fresh)
+            if bad:  # every rank knows: nothing of this step is done anywhere
+                output.poison()
+                return self._skipped(clock)
+        else:
+            skip = self.guard.skip(rows)
+        self.feedback.compensate(fresh, step, skip, scale)
+        skipped = None if skip is None else skip.bool()
         accumulated = self.feedback.accumulated
-        counts = yield from clock.local(self._pre_selection(accumulated, step))
-        local = sparsifier.select(accumulated, step)
+        planned = yield from clock.local(self._pre_selection(accumulated, step))
+        counts = planned if planned is not None else counts
+        # The fresh gradient is consumed by now: the sparsifier may use it as scratch.
+        flat = isinstance(fresh, torch.Tensor) and fresh.is_contiguous()
+        scratch = fresh.view(-1) if flat else None  # type: ignore[union-attr]
+        local = sparsifier.select(accumulated, step, scratch)
         # A leader's plan or the oracle's sum fixes what every rank sends: a rank cannot leave
         # out the parameters it did not use there, so it sends 0 at them instead (below).
-        fixed = counts is not None or isinstance(self.framing, Shared)
+        fixed = planned is not None or isinstance(self.framing, Shared)
         if exclude and not fixed:
             local = local[~_inside(local, exclude)]
-        if counts is not None and local.numel() != counts[self.rank]:
-            raise RuntimeError(
-                f"{sparsifier.name}: rank {self.rank} selected {local.numel()} positions but "
-                f"its plan says {counts[self.rank]} (a sparsifier bug)"
-            )
-        threshold, extra = sparsifier.threshold, sparsifier.report()
+            counts = None
+        threshold, extra = _pending(sparsifier.threshold), sparsifier.report()
         select_seconds = clock.lap()
         proposal = Proposal(local, accumulated, step, counts)
         exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
         positions = exchanged.positions
         # If no rank used a parameter, DDP drops its average: what was sent there would be lost.
         unused = _inside(positions, exclude) if exclude and fixed else None
-        values = self._values(positions, unused)
-        # Known before the sum overwrites them; read only if the sum is not finite.
-        mine = values.numel() > 0 and any_nonfinite(values)
-        if self.feedback.transactional:  # anything non-finite anywhere fails every rank
-            anywhere = any_nonfinite(accumulated)
-            mine = anywhere
-            flag = torch.where(anywhere, math.nan, 0.0).to(values.dtype).reshape(1)
-            values = torch.cat([values, flag])
+        values = self._values(positions, unused, skipped, scale)
         summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
-        if summed.numel() and bool(any_nonfinite(summed)):
-            raise self._nonfinite(step, positions, summed[: positions.numel()], bool(mine))
-        summed = summed[: positions.numel()]
         averaged = summed.to(accumulated.dtype) if self.value_dtype else summed
-        output.write(positions, averaged.div_(self.world_size))
+        averaged.div_(self.world_size)
+        if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
+            averaged.masked_fill_(skipped, math.nan)
+        output.write(positions, averaged)
         sparsifier.update(positions.numel())
         return StepReport(
             selected=positions.numel(),
@@ -208,12 +291,31 @@ class SparseStep:
             partition=sparsifier.partition(step),
             local_proposed=exchanged.local_proposed,
             message_bytes=clock.message_bytes(),
+            skipped=False if skipped is None else Pending(skipped.item),
         )
+
+    def _read_guard(self, sync_free: bool) -> bool:
+        """Whether this step reads its guard on the host (and clears ``check_next``)."""
+        read = self.check_next or self.nonfinite == "raise" or not sync_free
+        self.check_next = False
+        return read
+
+    def _checked(self, rows: torch.Tensor, step: int, fresh: Fresh) -> bool:
+        """The guard read on the host: raises on ranks at other steps, and on a NaN or Inf
+        with ``nonfinite="raise"``; else whether the step is skipped."""
+        bad = Guard.check(rows)
+        if bad and self.nonfinite == "raise":
+            raise self._nonfinite(step, bad, fresh)
+        return bool(bad)
+
+    def _skipped(self, clock: _Clock) -> StepReport:
+        return StepReport(0, 0, 0, 0, clock.bytes(self.world_size), math.nan, clock.lap(), 0.0,
+                          message_bytes=clock.message_bytes(), skipped=True)  # fmt: skip
 
     def _follow_schedule(self, step: int) -> None:
         """Move k to the schedule's for ``step`` (a function of the step alone, so that a
         resumed or rolled-back run finds the same k); the index message follows."""
-        target = self.schedule(step)
+        target = self.schedule(step)  # type: ignore[misc]
         if target != self.sparsifier.target:
             self.sparsifier.retarget(target)
             renewed = self.sparsifier.framing()
@@ -223,12 +325,11 @@ class SparseStep:
                 self.framing = renewed
 
     def commit(self) -> None:
-        """The step that just ran is the new state (a transactional residual takes its a)."""
-        self.feedback.commit()
+        """The step that just ran is the new state (nothing to do: the residual is it)."""
 
     def rollback(self) -> None:
-        """Undo the step that just failed: the sparsifier's state as before it, and (with a
-        transactional residual) the residual too; the driver does not count the step."""
+        """Undo the step that just failed: the sparsifier's state as before it; the driver
+        does not count the step. (A step fails before it changes any residual.)"""
         self.sparsifier.load_state_dict(self._snapshot)
 
     def _pre_selection(self, accumulated: torch.Tensor, step: int) -> Generator[
@@ -236,10 +337,7 @@ class SparseStep:
     ]:
         """A leader's plan (which fixes every rank's count) or an all-ranks sum, if any."""
         sparsifier = self.sparsifier
-        if sparsifier.planned:  # the leader must not plan for a rank at another step
-            header = torch.tensor([step], device=accumulated.device)
-            rows = (yield Collective("all_gather", header, "header")).tolist()
-            check_steps([row[0] for row in rows])
+        if sparsifier.planned:  # the guard has checked that every rank is at this step
             leader = sparsifier.leader(step)
             if self.rank == leader:
                 plan = sparsifier.make_plan(accumulated, step)
@@ -252,57 +350,92 @@ class SparseStep:
             sparsifier.adopt_agreement((yield Collective("all_reduce", proposal, "agreement")))
         return None
 
-    def _values(self, positions: torch.Tensor, kept: torch.Tensor | None = None) -> torch.Tensor:
+    def _values(
+        self,
+        positions: torch.Tensor,
+        kept: torch.Tensor | None,
+        skip: torch.Tensor | None,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
         """This rank's accumulated values at ``positions``, as sent; the residual forgets them,
-        except where ``kept`` is true: there it sends 0 and keeps the whole value."""
+        except where ``kept`` is true (there it sends 0 and keeps the whole value) or when
+        the step is skipped (``skip``, a bool tensor, holds True: the residual keeps all)."""
         accumulated = self.feedback.accumulated
-        values = accumulated.index_select(0, positions)
-        sent = positions
+        values = accumulated.index_select(0, positions)  # also what a skipped step keeps
+        sent_values = values if kept is None else values.masked_fill(kept, 0)
+        if scale is not None:  # the residual is unscaled; the average is written scaled
+            sent_values = sent_values * scale.to(values.dtype)
+        sent, wire, left = positions, sent_values, None
+        if self.value_dtype is not None:
+            wire = sent_values.to(self.value_dtype)
+            # What rounding took from this rank's values stays behind in its residual.
+            left = sent_values - wire
+            if scale is not None:
+                left.div_(scale.to(left.dtype))
         if kept is not None:
-            values.masked_fill_(kept, 0)
-            sent = positions[~kept]
-        if self.value_dtype is None:
-            self.feedback.forget(sent)
-            return values
-        wire = values.to(self.value_dtype)
-        # What rounding took from this rank's values stays behind in its residual.
-        remainder = values.sub_(wire)
-        self.feedback.forget(sent, remainder if kept is None else remainder[~kept])
+            keep = ~kept
+            sent, values = positions[keep], values[keep]
+            left = None if left is None else left[keep]
+        if skip is not None:  # a skipped step forgets nothing
+            left = torch.where(skip, values, 0.0 if left is None else left)
+        self.feedback.forget(sent, left)
+        self.feedback.mask_velocity(sent, skip)
         return wire
 
-    def _dense(self, step: int, fresh: Fresh, output: Output) -> Protocol_:
-        clock = _Clock()
+    def _dense(
+        self, step: int, fresh: Fresh, output: Output, rows: torch.Tensor, clock: _Clock
+    ) -> Protocol_:
         flat = output.dense(fresh)
-        nothing = torch.empty(0, dtype=torch.long, device=flat.device)
-        proposal = Proposal(nothing, flat, step)
-        yield from clock.local(self.framing.exchange(proposal, self.world_size))
+        bad = self._checked(rows, step, fresh) if self._read_guard(True) else []
         flat.div_(self.world_size)  # divide first, as DDP does, for identical results
         yield from clock.local(_single(Collective("all_reduce", flat, "values")))
-        if bool(any_nonfinite(flat)):
-            raise self._nonfinite(step, None, flat, own=False)
         numel = flat.numel()
-        return StepReport(numel, numel, 0, numel, clock.bytes(self.world_size), float("nan"),
+        return StepReport(numel, numel, 0, numel, clock.bytes(self.world_size), math.nan,
                           0.0, clock.lap(), local_proposed=numel,
-                          message_bytes=clock.message_bytes())  # fmt: skip
+                          message_bytes=clock.message_bytes(),
+                          skipped=bool(bad))  # fmt: skip
 
-    def _nonfinite(
-        self, step: int, positions: torch.Tensor | None, summed: torch.Tensor, own: bool
-    ) -> NonFiniteGradientError:
+    def _nonfinite(self, step: int, bad: list[int], fresh: Fresh) -> NonFiniteGradientError:
+        if self.rank not in bad:
+            return NonFiniteGradientError(
+                f"step {step}: NaN or Inf gradient on rank {', '.join(map(str, bad))}; this "
+                "rank's own gradient was finite. Lower the learning rate, clip gradients, or "
+                "unscale AMP gradients before averaging"
+            )
         layout = self.sparsifier.layout
-        if positions is None:  # dense: the sum is the whole vector
-            positions = torch.arange(summed.numel(), device=summed.device)
-        bad = positions[~torch.isfinite(summed)][:100].tolist()
-        names = sorted({layout.locate(p) for p in bad}) or ["positions not sent this step"]
-        whose = (
-            "this rank sent non-finite values"
-            if own
-            else "this rank's own values were finite (another rank sent them)"
-        )
+        gradients = [fresh] if isinstance(fresh, torch.Tensor) else list(fresh)
+        names: list[str] = []
+        if len(gradients) == 1 and gradients[0] is not None and len(layout.names) > 1:
+            flat = gradients[0].reshape(-1)
+            bad_at = torch.nonzero(~torch.isfinite(flat)).squeeze(1)[:100].tolist()
+            names = sorted({layout.locate(p) for p in bad_at})
+        else:
+            names = [name for name, g in zip(layout.names, gradients)
+                     if g is not None and not bool(torch.isfinite(g).all())]  # fmt: skip
         return NonFiniteGradientError(
-            f"step {step}: NaN or Inf gradient in {', '.join(names)} (in the sum over ranks); "
-            f"{whose}. Lower the learning rate, clip gradients, or unscale AMP gradients before "
-            "averaging"
+            f"step {step}: NaN or Inf gradient in {', '.join(names)}; this rank's gradient "
+            "holds them. Lower the learning rate, clip gradients, or unscale AMP gradients "
+            "before averaging"
         )
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """A ``GradScaler``'s scale as the device tensor it keeps (None if it scales nothing):
+    ``get_scale()`` would read it back to the host."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    if scale is None:
+        raise RuntimeError(
+            "grad_scaler has no scale yet: call scaler.scale(loss).backward() before the "
+            "gradients are averaged"
+        )
+    return scale
+
+
+def _pending(value: Any) -> Any:
+    """A device tensor as a :class:`Pending` number, anything else as it is."""
+    return Pending.of(value) if isinstance(value, torch.Tensor) else value
 
 
 def _inside(positions: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -319,31 +452,46 @@ def _single(request: Collective) -> Generator[Collective, torch.Tensor, torch.Te
 
 class _Clock:
     """Local seconds of a step's protocol (the time between resuming it and its next request)
-    and the wire bytes of its requests."""
+    and the wire bytes of its requests. On a GPU the seconds are the device's, between CUDA
+    events, read only when asked."""
 
-    def __init__(self) -> None:
-        self._mark = time.perf_counter()
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._mark = self._now()
         self._local = 0.0
         self._requests: list[Collective] = []
+
+    def _now(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def local(self, protocol: Generator[Collective, torch.Tensor, Any]) -> Generator[
         Collective, torch.Tensor, Any
     ]:
-        """Run ``protocol`` as a sub-step, counting only the time spent inside it."""
+        """Run ``protocol`` as a sub-step, counting (on a CPU) only the time spent inside it."""
         try:
             request = next(protocol)
             while True:
-                self._local += time.perf_counter() - self._mark
+                if not self._cuda:
+                    self._local += time.perf_counter() - self._mark
                 self._requests.append(request)
                 result = yield request
-                self._mark = time.perf_counter()
+                if not self._cuda:
+                    self._mark = time.perf_counter()
                 request = protocol.send(result)
         except StopIteration as done:
             return done.value
 
-    def lap(self) -> float:
+    def lap(self) -> float | Pending:
         """Local seconds since the previous lap."""
-        now = time.perf_counter()
+        now = self._now()
+        if self._cuda:
+            begin = self._mark
+            self._mark = now
+            return Pending(lambda: _elapsed(begin, now))
         seconds, self._local, self._mark = self._local + now - self._mark, 0.0, now
         return seconds
 
@@ -356,6 +504,11 @@ class _Clock:
             size = request.tensor.numel() * request.tensor.element_size()
             sizes[request.what] = sizes.get(request.what, 0) + size
         return sizes
+
+
+def _elapsed(begin: Any, end: Any) -> float:
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def run_blocking(protocol: Protocol_, collectives: Collectives) -> StepReport:

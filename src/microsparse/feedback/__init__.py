@@ -3,12 +3,12 @@
 from microsparse.feedback.residual import (
     ErrorFeedback,
     Fresh,
-    ResidualScale,
     any_nonfinite,
     check_adam,
     check_momentum,
+    flag_nonfinite,
 )
 
 __all__ = [
-    "ErrorFeedback", "Fresh", "ResidualScale", "any_nonfinite", "check_adam", "check_momentum",
+    "ErrorFeedback", "Fresh", "any_nonfinite", "check_adam", "check_momentum", "flag_nonfinite",
 ]

@@ -1,18 +1,19 @@
 """Error feedback: nothing that is not sent is lost, only delayed.
 
 One flat vector holds the residual e between steps. ``compensate`` adds the fresh gradients
-into it (a = g + e, no copy of the gradients), selection and exchange read a, and ``forget``
+into it (a = e + g, no copy of the gradients), selection and exchange read a, and ``forget``
 zeroes every position whose value was sent, which leaves the new residual.
 
-A *transactional* residual keeps e untouched until the step commits: a is written into a
-second buffer (one more write stream per step), and :meth:`ErrorFeedback.commit` swaps the
-two. A step that fails (a NaN or Inf anywhere) is then skipped by not committing it.
+A step can be *skipped* without the host looking: ``compensate`` and ``forget`` take a
+``skip`` flag, a one-element float32 tensor on the device that is 1 when any rank's gradient
+held a NaN or Inf (or the ranks disagreed), and then leave every buffer exactly as it was.
+The adds are torch's fused optimiser kernels, which read the flag on the device and do
+nothing when it is set, so a skipped step costs no extra pass and no host synchronisation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -42,8 +43,11 @@ class ErrorFeedback:
         >>> memory = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
         >>> memory.compensate([torch.tensor([1.0, -2.0, 3.0, 0.5])])
         >>> memory.forget(torch.tensor([2]))   # position 2 was sent
-        >>> memory.commit()
         >>> memory.residual.tolist()           # the residual keeps the rest
+        [1.0, -2.0, 0.0, 0.5]
+        >>> skip = torch.ones(1)               # a skipped step changes nothing
+        >>> memory.compensate([torch.tensor([float("nan"), 1.0, 1.0, 1.0])], skip=skip)
+        >>> memory.residual.tolist()
         [1.0, -2.0, 0.0, 0.5]
     """
 
@@ -52,7 +56,6 @@ class ErrorFeedback:
         layout: Layout,
         dtype: torch.dtype,
         device: torch.device,
-        transactional: bool = False,
         momentum: float = 0.0,
         nesterov: bool = False,
         adam: tuple[float, float, float] | None = None,
@@ -65,103 +68,141 @@ class ErrorFeedback:
                 "momentum_correction and adam_correction both move the optimiser into the "
                 "error feedback: set one of them"
             )
-        self.transactional = transactional
-
-        def pair() -> list[FlatVector]:
-            committed = FlatVector(layout, dtype, device)
-            return [committed, FlatVector(layout, dtype, device) if transactional else committed]
-
-        self._residual = pair()  # [committed, working]: one object unless transactional
-        self._velocity = pair() if self.momentum else None
-        # Adam's moments, and a scratch for the gradient and the step's denominator
-        self._moments = (pair(), pair()) if self.adam else None
-        self._scratch = FlatVector(layout, dtype, device) if self.adam else None
+        self._residual = FlatVector(layout, dtype, device)
+        self._offsets = layout.offsets
+        self._velocity = FlatVector(layout, dtype, device) if self.momentum else None
+        self._moments = (
+            (FlatVector(layout, dtype, device), FlatVector(layout, dtype, device))
+            if self.adam else None
+        )  # fmt: skip
+        # Adam's step count, as its fused kernel reads it: a tensor, written without a sync.
+        self._adam_step = torch.zeros((), dtype=torch.float32, device=device)
 
     @property
     def accumulated(self) -> torch.Tensor:
-        """a of the step in progress (the residual itself unless transactional)."""
-        return self._residual[1].data
+        """a of the step in progress (between ``compensate`` and ``forget``), else e."""
+        return self._residual.data
 
     @property
     def residual(self) -> torch.Tensor:
-        """e as of the last committed step."""
-        return self._residual[0].data
+        """e: the residual (a while a step is in progress)."""
+        return self._residual.data
 
     @property
     def velocity(self) -> torch.Tensor | None:
-        """u as of the last committed step with momentum correction, else None."""
-        return None if self._velocity is None else self._velocity[0].data
+        """u with momentum correction, else None."""
+        return None if self._velocity is None else self._velocity.data
 
     @property
     def moments(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(m, v) as of the last committed step with Adam correction, else None."""
+        """(m, v) with Adam correction, else None."""
         if self._moments is None:
             return None
-        return self._moments[0][0].data, self._moments[1][0].data
+        return self._moments[0].data, self._moments[1].data
 
     @property
     def buffers(self) -> list[FlatVector]:
         """What a worker carries between steps: e, then u with momentum correction, or m and
         v with Adam correction."""
-        extra = [] if self._velocity is None else [self._velocity[0]]
+        extra = [] if self._velocity is None else [self._velocity]
         if self._moments is not None:
-            extra = [pair[0] for pair in self._moments]
-        return [self._residual[0], *extra]
+            extra = list(self._moments)
+        return [self._residual, *extra]
 
     @property
     def views(self) -> list[torch.Tensor]:
         """:attr:`residual` shaped like each parameter."""
-        return self._residual[0].views
+        return self._residual.views
 
-    def compensate(self, fresh: Fresh, step: int = 0) -> None:
+    def compensate(
+        self,
+        fresh: Fresh,
+        step: int = 0,
+        skip: torch.Tensor | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> None:
         """a ← e + g, or with momentum correction u ← m·u + g and a ← e + u (Nesterov:
         e + g + m·u), or with Adam correction a ← e + Adam's step number ``step`` (from 0).
-        A missing gradient (unused parameter) counts as zero."""
-        if self._moments is not None:
-            self._adam_step(fresh, step)
-            return
-        if self._velocity is None:
-            _add_into(self._residual, fresh)
-            return
-        _add_into(self._velocity, fresh, self.momentum)
-        velocity = self._velocity[1].data
-        if self.nesterov:
-            _add_into(self._residual, fresh)
-            self.accumulated.add_(velocity, alpha=self.momentum)
-        else:
-            _add_into(self._residual, velocity)
+        A missing gradient (unused parameter) counts as zero.
 
-    def forget(self, sent: torch.Tensor, remainder: torch.Tensor | None = None) -> None:
-        """e ← a with every sent position zeroed (or set to ``remainder``, what rounding the
-        sent values left behind), and u zeroed there: O(K), no dense pass."""
-        if remainder is None:
+        ``skip``: a one-element float32 tensor; where it holds 1 nothing changes (a NaN or Inf
+        in ``fresh`` included). ``scale``: a one-element float32 tensor the gradients are
+        divided by first (a ``GradScaler``'s scale, so that the residual holds unscaled
+        gradients). The fresh gradients themselves may be overwritten.
+        """
+        index, gradients = self._fresh(fresh)
+        if not gradients:
+            return
+        residual = _pick(self._residual, index)
+        if self._moments is not None:
+            beta1, beta2, eps = self.adam  # type: ignore[misc]
+            first, second = self._moments
+            self._adam_step.fill_(step + 1)  # Adam's bias correction counts from 1
+            torch._fused_adam_(
+                residual, gradients, _pick(first, index), _pick(second, index), [],
+                [self._adam_step] * len(gradients), lr=-1.0, beta1=beta1, beta2=beta2,
+                weight_decay=0.0, eps=eps, amsgrad=False, maximize=False, grad_scale=scale,
+                found_inf=skip,
+            )  # fmt: skip
+            return
+        velocity = [] if self._velocity is None else _pick(self._velocity, index)
+        # An SGD step param ← param − lr·(g + …) with lr = −1 is the add a ← e + g (e + u with
+        # a velocity); the fused kernel reads the flag on the device and skips the step.
+        torch._fused_sgd_(
+            residual, gradients, velocity, weight_decay=0.0, momentum=self.momentum, lr=-1.0,
+            dampening=0.0, nesterov=self.nesterov, maximize=False, is_first_step=False,
+            grad_scale=scale, found_inf=skip,
+        )  # fmt: skip
+
+    def _fresh(self, fresh: Fresh) -> tuple[list[int] | None, list[torch.Tensor]]:
+        """The parameters that have a gradient (None: the whole flat vector) and those
+        gradients, each in its residual's dtype and layout, as the fused kernels want them."""
+        views = self._residual.views
+        if isinstance(fresh, torch.Tensor):
+            flat = _like(fresh.reshape(-1), self._residual.data)
+            if not (self.momentum or self.adam):
+                return None, [flat]
+            # Per parameter, as from a list: the fused kernels' vectorised and scalar parts
+            # round a multiply-add differently, so the split must not depend on the driver.
+            fresh = [flat[o : o + v.numel()].view_as(v) for o, v in zip(self._offsets, views)]
+        if self.momentum or self.adam:  # a missing gradient still moves u, or m and v
+            return list(range(len(views))), [
+                torch.zeros_like(view) if g is None else _like(g, view)
+                for view, g in zip(views, fresh)
+            ]
+        index = [i for i, g in enumerate(fresh) if g is not None]
+        return index, [_like(fresh[i], views[i]) for i in index]  # type: ignore[arg-type]
+
+    def forget(self, sent: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """e ← a with every sent position zeroed, or set to ``kept`` (what rounding the sent
+        values left behind; on a skipped step, the values themselves): O(K), no dense pass."""
+        if kept is None:
             self.accumulated.index_fill_(0, sent, 0)
         else:
-            self.accumulated.index_copy_(0, sent, remainder)
-        if self._velocity is not None:  # momentum factor masking
-            self._velocity[1].data.index_fill_(0, sent, 0)
+            self.accumulated.index_copy_(0, sent, kept)
 
-    def commit(self) -> None:
-        """The step succeeded: its a, with the sent positions forgotten, is the residual."""
-        for pair in (self._residual, self._velocity, *(self._moments or ())):
-            if pair is not None:
-                pair.reverse()
+    def mask_velocity(self, sent: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+        """Momentum factor masking: u ← 0 at the sent positions, unless the step is skipped
+        (``skip``, a one-element bool tensor, holds True)."""
+        if self._velocity is None:
+            return
+        velocity = self._velocity.data
+        if skip is None:
+            velocity.index_fill_(0, sent, 0)
+        else:
+            velocity.index_copy_(0, sent, torch.where(skip, velocity.index_select(0, sent), 0.0))
 
-    def _adam_step(self, fresh: Fresh, step: int) -> None:
-        assert self._moments is not None and self._scratch is not None and self.adam
-        beta1, beta2, eps = self.adam
-        (first, first_out), (second, second_out) = self._moments
-        g = self._scratch
-        _copy_into(g, fresh)
-        torch.lerp(first.data, g.data, 1.0 - beta1, out=first_out.data)
-        torch.mul(second.data, beta2, out=second_out.data)
-        second_out.data.addcmul_(g.data, g.data, value=1.0 - beta2)
-        t = step + 1  # Adam's bias correction counts from 1
-        denominator = torch.div(second_out.data, 1.0 - beta2**t, out=g.data).sqrt_().add_(eps)
-        committed, working = self._residual
-        if working is not committed:
-            working.data.copy_(committed.data)
-        working.data.addcdiv_(first_out.data, denominator, value=1.0 / (1.0 - beta1**t))
+
+def _pick(buffer: FlatVector, index: list[int] | None) -> list[torch.Tensor]:
+    """The whole flat vector (``index`` None), or the views of the parameters in ``index``."""
+    return [buffer.data] if index is None else [buffer.views[i] for i in index]
+
+
+def _like(gradient: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``gradient`` in ``target``'s dtype and layout (a copy only when they differ)."""
+    if gradient.dtype != target.dtype or gradient.stride() != target.stride():
+        return gradient.to(target.dtype, memory_format=torch.contiguous_format)
+    return gradient
 
 
 def check_momentum(momentum: float) -> float:
@@ -192,66 +233,29 @@ def check_adam(adam: Sequence[float]) -> tuple[float, float, float]:
     return beta1, beta2, eps
 
 
-def _copy_into(target: FlatVector, fresh: Fresh) -> None:
-    """target ← fresh in one pass; ``None`` counts as 0."""
-    if isinstance(fresh, torch.Tensor):
-        target.data.copy_(fresh.view(-1))
-        return
-    for view, g in zip(target.views, fresh):
-        if g is None:
-            view.zero_()
-        else:
-            view.copy_(g)
-
-
-def _add_into(pair: list[FlatVector], fresh: Fresh, scale: float = 1.0) -> None:
-    """working ← scale·committed + fresh (in place when they are one); ``None`` counts as 0."""
-    base, out = pair
-    if isinstance(fresh, torch.Tensor):
-        flat = fresh.view(-1)
-        if out is not base:
-            torch.add(flat, base.data, alpha=scale, out=out.data)
-            return
-        if scale != 1.0:
-            base.data.mul_(scale)
-        base.data.add_(flat)
-        return
-    if out is not base:
-        for target, source, g in zip(out.views, base.views, fresh):
-            if g is None:
-                torch.mul(source, scale, out=target)
-            else:
-                torch.add(g, source, alpha=scale, out=target)
-        return
-    if scale != 1.0:
-        torch._foreach_mul_(base.views, scale)
-    pairs = [(view, g) for view, g in zip(base.views, fresh) if g is not None]
-    if pairs:
-        torch._foreach_add_([view for view, _ in pairs], [g for _, g in pairs])
-
-
-class ResidualScale:
-    """Keeps a residual of scaled gradients in the units of a ``GradScaler``'s current scale.
+def flag_nonfinite(fresh: Fresh, flag: torch.Tensor) -> torch.Tensor:
+    """Set ``flag`` (one-element float32) to 1 if a gradient in ``fresh`` holds a NaN or Inf,
+    else to 0: one fused read pass over every gradient, no host synchronisation.
 
     Example:
-        >>> scale = ResidualScale(None)   # no scaler: nothing to follow
-        >>> scale.follow(torch.ones(3)), scale.scale
-        (None, None)
+        >>> flag = torch.zeros(1)
+        >>> flag_nonfinite([torch.ones(3), None, torch.tensor([1.0, float("nan")])], flag)
+        tensor([1.])
     """
+    flag.zero_()
+    gradients = [fresh] if isinstance(fresh, torch.Tensor) else [g for g in fresh if g is not None]
+    one = _ones.get(flag.device)
+    if one is None:
+        one = _ones[flag.device] = torch.ones((), dtype=torch.float32, device=flag.device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in gradients:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for group in by_dtype.values():  # AMP's check: sets the flag, multiplies by one
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one)
+    return flag
 
-    def __init__(self, scaler: Any) -> None:
-        self.scaler = scaler
-        self.scale: float | None = None
 
-    def follow(self, *residuals: torch.Tensor) -> None:
-        """Rescale ``residuals`` in place if the scaler's scale changed since the last call."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return
-        scale = float(self.scaler.get_scale())
-        if self.scale is not None and scale != self.scale:
-            for residual in residuals:
-                residual.mul_(scale / self.scale)
-        self.scale = scale
+_ones: dict[torch.device, torch.Tensor] = {}
 
 
 def any_nonfinite(values: torch.Tensor) -> torch.Tensor:

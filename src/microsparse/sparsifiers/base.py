@@ -83,11 +83,23 @@ class Sparsifier(ABC):
         """How this sparsifier's index message travels (after :meth:`bind`)."""
 
     @abstractmethod
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
-        """Distinct flat positions (int64, any order) this rank proposes to send at ``step``."""
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Distinct flat positions (int64, any order) this rank proposes to send at ``step``.
+
+        ``scratch``, if given, is a flat buffer of at least d entries of ``accumulated``'s
+        dtype that the sparsifier may overwrite during this call (the engine lends the fresh
+        gradient's, consumed by then), so that it need not keep one of its own."""
 
     def update(self, selected: int) -> None:
         """Observe the global selected count K of the step that just ended."""
+
+    def counts(self, step: int) -> list[int] | None:
+        """Every rank's count at ``step``, where the options fix it before any data is seen
+        (then :meth:`select` returns exactly this rank's count): the engine can then run the
+        step without reading anything back to the host. None: counts depend on the data."""
+        return None
 
     @property
     def agrees(self) -> bool:
@@ -129,8 +141,9 @@ class Sparsifier(ABC):
         return {}
 
     @property
-    def threshold(self) -> float:
-        """The selection threshold of the step just selected, NaN if it has none."""
+    def threshold(self) -> Any:
+        """The selection threshold of the step just selected, NaN if it has none: a number,
+        a 0-d tensor, or a :class:`~microsparse.stats.Pending` read only when asked for."""
         return math.nan
 
     def settle(self, threshold: float) -> bool:

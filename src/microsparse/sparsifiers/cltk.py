@@ -46,7 +46,9 @@ class CyclicLocalTopK(Sparsifier):
         self._leader = self.leader(step)
         return [self.target] * self.world_size
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._positions
 
     def report(self) -> dict[str, int]:

@@ -136,7 +136,9 @@ class Deft(Sparsifier):
             for r in range(self.world_size)
         ]
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self._magnitude is None or self._magnitude.shape != accumulated.shape:
             self._magnitude = torch.empty_like(accumulated)
         pieces = [torch.empty(0, dtype=torch.long, device=accumulated.device)]

@@ -34,5 +34,7 @@ class Dense(Sparsifier):
     def framing(self) -> Framing:
         return DenseFraming()
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._nothing.to(accumulated.device)

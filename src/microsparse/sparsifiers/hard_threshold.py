@@ -39,7 +39,9 @@ class HardThreshold(Sparsifier):
     def framing(self) -> Framing:
         return Padded(self.layout.numel, union=True)
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._magnitudes.at_least(self._magnitudes.of(accumulated), self._threshold)
 
     @property

@@ -19,6 +19,7 @@ from microsparse.sparsifiers.threshold import (
     ThresholdController,
     ThresholdRule,
 )
+from microsparse.stats import Pending
 
 Partitioning = Literal["interleaved", "contiguous"]
 IndexMessage = Literal["fixed", "padded"]
@@ -133,7 +134,7 @@ class Micro(Sparsifier):
         self._largest = max(sizes)
         if self.selection == "quota":
             self._rule: QuantileThreshold | ThresholdController | None = None
-            self._finder = LargestFinder(max(1, min(sizes)), seed=rank)
+            self._finder = LargestFinder()
         else:
             self._rule = (
                 QuantileThreshold(self.target)
@@ -179,9 +180,21 @@ class Micro(Sparsifier):
             >>> [micro.quota(t) for t in range(6)]  # k / n = 215 / 64 = 3.36
             [3, 4, 3, 3, 4, 3]
         """
+        return self._quota_of(self.rank, step)
+
+    def _quota_of(self, rank: int, step: int) -> int:
         k, n = self.target, self.world_size
-        share = (self._part(step) + step) % n
+        share = (owned_partition(step, rank, n) + step) % n
         return (share + 1) * k // n - share * k // n
+
+    def counts(self, step: int) -> list[int] | None:
+        if self.selection != "quota" or self.index_message != "fixed":
+            return None
+        n = self.world_size
+        return [
+            min(self._quota_of(rank, step), self._partitions.size(owned_partition(step, rank, n)))
+            for rank in range(n)
+        ]
 
     @property
     def agrees(self) -> bool:
@@ -198,7 +211,9 @@ class Micro(Sparsifier):
         assert isinstance(self._rule, QuantileThreshold)
         self._rule.solve(total)
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         part = self._part(step)
         size = self._partitions.size(part)
         self._threshold = math.nan if self._rule is None else self._rule.threshold
@@ -207,14 +222,14 @@ class Micro(Sparsifier):
         if self._magnitudes_of_step == step:  # this step's agreement computed them already
             magnitude = self._buffer(accumulated, "_scratch")[:size]
         else:
-            magnitude = self._owned_magnitudes(accumulated, step)
+            magnitude = self._owned_magnitudes(accumulated, step, scratch)
         self._magnitudes_of_step = None
         if self.selection == "quota":
             quota = min(self.quota(step), size)
             if quota == 0:
                 return torch.empty(0, dtype=torch.long, device=accumulated.device)
             chosen = self._finder.largest(magnitude, quota)
-            self._threshold = self._finder.smallest_taken
+            self._threshold = Pending(self._finder.smallest_taken_reader())
             return self._partitions.positions(part, chosen)
         assert self._rule is not None
         chosen = self._candidates.at_least(magnitude, self._rule.threshold)
@@ -222,9 +237,13 @@ class Micro(Sparsifier):
             chosen = torch.tensor([step % size], device=accumulated.device)
         return self._partitions.positions(part, chosen)
 
-    def _owned_magnitudes(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
-        """|a| of the owned partition, read segment by segment into the scratch buffer."""
-        scratch = self._buffer(accumulated, "_scratch")
+    def _owned_magnitudes(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """|a| of the owned partition, read segment by segment into ``scratch`` (lent by the
+        engine) or a buffer of its own."""
+        if scratch is None or scratch.numel() < self._largest or scratch.dtype != accumulated.dtype:
+            scratch = self._buffer(accumulated, "_scratch")
         offset = 0
         segment: Segment
         for segment in self._partitions.segments(accumulated, self._part(step)):
@@ -246,7 +265,7 @@ class Micro(Sparsifier):
             self._rule.update(selected)
 
     @property
-    def threshold(self) -> float:
+    def threshold(self) -> float | Pending:
         return self._threshold
 
     def settle(self, threshold: float) -> bool:

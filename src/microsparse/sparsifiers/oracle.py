@@ -56,5 +56,7 @@ class Oracle(Sparsifier):
         # The sum is this step's only; its magnitude can take its place (no allocation).
         self._positions = torch.topk(total.abs_(), self.target, sorted=False).indices
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self._positions

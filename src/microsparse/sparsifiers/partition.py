@@ -82,7 +82,8 @@ class ContiguousPartitions:
             >>> ContiguousPartitions(10, 4).positions(1, torch.tensor([0, 2])).tolist()
             [3, 5]
         """
-        return indices + self.ranges[part][0]
+        start = self.ranges[part][0]
+        return indices + start if start else indices
 
 
 class InterleavedPartitions:
@@ -126,6 +127,8 @@ class InterleavedPartitions:
         return None  # not one range
 
     def segments(self, vector: torch.Tensor, part: int) -> list[Segment]:
+        if self.parts == 1:  # every block, in order: the vector itself
+            return [Segment(vector.unsqueeze(0), 0, 0)]
         blocks = vector[: self.full_blocks * self.block].view(self.full_blocks, self.block)
         segments = []
         if self._rows(part):
@@ -145,6 +148,8 @@ class InterleavedPartitions:
             >>> partitions.positions(0, torch.tensor([0, 3, 5])).tolist()
             [0, 5, 9]
         """
+        if self.parts == 1:  # every block, in order: the entries are the positions
+            return indices
         starts = self._row_starts.get((part, indices.device))
         if starts is None:
             rows = torch.arange(part, self.full_blocks, self.parts) * self.block

@@ -70,7 +70,9 @@ class Sage(Sparsifier):
     def framing(self) -> Framing:
         return Padded(self.layout.numel, union=True)
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         magnitude = self._magnitudes.of(accumulated)
         mean = self._sample_mean(magnitude)
         if self._previous_mean is None:

@@ -30,6 +30,8 @@ class TopK(Sparsifier):
     def framing(self) -> Framing:
         return Padded(self.layout.numel, union=True)
 
-    def select(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
+    def select(
+        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+    ) -> torch.Tensor:
         magnitude = self._magnitudes.of(accumulated)
         return torch.topk(magnitude, self.target, sorted=False).indices

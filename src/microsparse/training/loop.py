@@ -158,7 +158,11 @@ class Averaging:
         self._reducer: GradientReducer | None = None
         self._state: SparseState | None = None
         self._peer: PeerAveraging | None = None
-        options = config.sparsifier_options()
+        options: dict[str, Any] = config.sparsifier_options()
+        if config.min_speedup is None:  # whose dense passes are DDP's own, which cannot raise
+            # A run that diverges stops with the error on every rank (the loop reads every
+            # step's loss anyway, so the host check costs nothing more).
+            options["nonfinite"] = "raise"
         if config.momentum_correction:  # the optimiser then runs without momentum
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
         if config.adam_correction:  # the optimiser is then plain SGD at Adam's rate
