@@ -1,0 +1,160 @@
+"""Host syncs per steady-state training step, counted on the CPU on real gloo ranks.
+
+On a GPU each of these operations makes the host wait until the device has drained its queue;
+``microsparse.bench.syncs`` counts them on CPU tensors, on every thread, so that a DDP comm
+hook's ``.then()`` stages on gloo's threads count too. First the counter is shown able to
+fail, then MiCRO's step is held to zero in both drivers.
+"""
+
+# No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
+import functools
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import microsparse
+import microsparse.ddp
+from distributed import run_ranks
+from microsparse.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
+
+WARMUP = 4  # DDP rebuilds its buckets after the first step; the first step may check things
+COUNTED = 3
+DENSITY = 0.01  # k = 757 of the model's 75,658 entries, about 83 in the smallest bucket
+BUCKET_CAP_MB = 0.05  # 13,107 floats: 5 buckets once rebuilt (the DDP tests count hook calls)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    widths = [64, 128, 128, 128, 128, 128]
+    layers = [m for a, b in itertools.pairwise(widths) for m in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))  # 75,658 parameters
+
+
+def training_step(
+    net: nn.Module, rank: int, after_backward: Callable[[], object] = lambda: None
+) -> Callable[[], None]:
+    """One SGD step per call, on this rank's next batch (all drawn up front: no host work)."""
+    generator = torch.Generator().manual_seed(rank)
+    batches = itertools.cycle([torch.randn(16, 64, generator=generator) for _ in range(4)])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        net(next(batches)).pow(2).mean().backward()
+        after_backward()
+        optimizer.step()
+
+    return step
+
+
+def steady_syncs(
+    step: Callable[[], None], before_counting: Callable[[], None] = lambda: None
+) -> HostSyncs:
+    """Host syncs per step, counted over :data:`COUNTED` steps after :data:`WARMUP`."""
+    for _ in range(WARMUP):
+        step()
+    before_counting()
+    return count_host_syncs(step, repeats=COUNTED)
+
+
+class Calls:
+    """A hook's state with its calls counted (a pass calls the hook once per DDP bucket)."""
+
+    def __init__(self, state: object = None) -> None:
+        self.state = state
+        self.caller = threading.get_ident()
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.off_thread = 0  # calls whose .then() stage ran on another thread than backward's
+
+
+def counted_micro_hook(calls: Calls, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    calls.calls += 1
+    return microsparse.ddp.micro_hook(calls.state, bucket)
+
+
+def item_hook(calls: Calls, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's average, with one ``.item()`` in the ``.then()`` stage."""
+    calls.calls += 1
+    if dist.get_rank() == 1:  # rank 0's all-reduce waits for it: its .then() runs on gloo's thread
+        time.sleep(0.02)
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(functools.partial(_average_with_item, calls))
+
+
+def _average_with_item(calls: Calls, future: torch.futures.Future) -> torch.Tensor:
+    calls.off_thread += threading.get_ident() != calls.caller
+    buffer = future.value()[0].div_(dist.get_world_size())
+    buffer.abs().max().item()  # the host sync under test
+    return buffer
+
+
+def ddp_worker(rank: int, n: int, hook: Callable, state: object) -> tuple[HostSyncs, float, float]:
+    """Syncs per steady step of a DDP model with ``hook``, its calls per step, those off-thread."""
+    calls = Calls(state)
+    ddp = DDP(model(), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(calls, hook)
+    syncs = steady_syncs(training_step(ddp, rank), calls.reset)
+    return syncs, calls.calls / COUNTED, calls.off_thread / COUNTED
+
+
+def stock_ddp_worker(rank: int, n: int) -> HostSyncs:
+    return steady_syncs(training_step(DDP(model(), bucket_cap_mb=BUCKET_CAP_MB), rank))
+
+
+def reducer_worker(rank: int, n: int) -> HostSyncs:
+    net = model()
+    reducer = microsparse.GradientReducer(net.named_parameters(), "micro", DENSITY)
+    return steady_syncs(training_step(net, rank, reducer.synchronize))
+
+
+def test_counts_syncs_on_the_calling_thread() -> None:
+    t = torch.tensor([0.5, -1.0, 2.0])
+    syncs = count_host_syncs(lambda: (t.sum().item(), t.tolist(), t[t > 0]), repeats=2)
+    assert syncs.counts == {
+        "Tensor.tolist": 1.0,
+        "aten::index -> aten::nonzero": 1.0,
+        "aten::item -> aten::_local_scalar_dense": 1.0,
+    }
+    assert syncs.total == 3.0
+    assert count_host_syncs(lambda: torch.nonzero_static(t > 0, size=3)).total == 0.0
+
+
+def test_restores_the_tensor_methods_after_an_error() -> None:
+    with pytest.raises(ZeroDivisionError):
+        count_host_syncs(lambda: 1 / 0)
+    assert not set(SYNC_METHODS) & set(torch.Tensor.__dict__)
+    assert torch.tensor([1, 2]).tolist() == [1, 2]
+
+
+def test_counts_an_item_in_a_hooks_then_stage_on_a_gloo_thread(tmp_path) -> None:
+    syncs, calls, off_thread = run_ranks(ddp_worker, 2, tmp_path, item_hook, None)[0]
+    assert calls >= 3, calls  # DDP split the model as the MiCRO hook test needs it
+    assert off_thread > 0, (calls, off_thread)  # rank 1's delay holds rank 0's stages back
+    assert syncs.counts == {"aten::item -> aten::_local_scalar_dense": calls}, syncs
+
+
+def test_stock_ddp_makes_no_sync(tmp_path) -> None:
+    for syncs in run_ranks(stock_ddp_worker, 2, tmp_path):
+        assert syncs.total == 0, syncs
+
+
+def test_micro_reducer_step_makes_no_sync(tmp_path) -> None:
+    for syncs in run_ranks(reducer_worker, 2, tmp_path):
+        assert syncs.total == 0, syncs
+
+
+def test_micro_hook_step_makes_no_sync(tmp_path) -> None:
+    state = microsparse.ddp.MicroState(density=DENSITY)
+    for syncs, buckets, _ in run_ranks(ddp_worker, 2, tmp_path, counted_micro_hook, state):
+        assert buckets >= 3, buckets
+        assert syncs.total == 0, syncs
