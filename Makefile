@@ -51,7 +51,8 @@ bench: $(READY)
 	cp $(BENCH)/simulate-best/predict.png docs/img/predict-best.png
 
 # On a machine with a GPU and torch already installed (no venv, no downloads): the CUDA and
-# NCCL checks and GPU timings of src/microsparse/bench/gpu_check.py, into $OUT if it is set.
+# NCCL checks and the GPU benchmark of src/microsparse/bench/gpu_check.py (about 4 minutes),
+# into $OUT if it is set.
 gpu-check:
 	PYTHONPATH=src $(PYTHON) -m microsparse.bench.gpu_check --out "$${OUT:-runs/gpu-check}"
 

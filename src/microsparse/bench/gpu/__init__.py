@@ -1,0 +1,1 @@
+"""The parts of ``python -m microsparse.bench.gpu_check``: checks, steps, selection, report."""

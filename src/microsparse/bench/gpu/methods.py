@@ -1,0 +1,115 @@
+"""The averaging methods whose training step is timed: DDP and its hooks, the loop API.
+
+Each method wraps a fresh model into an :class:`Averaging`: the module to run forward on,
+what to run between ``backward()`` and ``optimizer.step()``, and the density it sent
+(read once, after timing: reading statistics may wait for the GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import microsparse
+import microsparse.ddp
+
+DENSITY = 0.001
+STOCK = "stock DDP"
+ALL_REDUCE_LOOP = "all-reduce loop"
+
+
+@dataclass
+class Averaging:
+    """How one method averages a model's gradients."""
+
+    module: nn.Module
+    after_backward: Callable[[], Any] = lambda: None
+    stats: Callable[[], Any] = lambda: None
+    """The method's statistics of its last step (``None`` for torch's own)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """An averaging method, and the method its step time is compared with."""
+
+    label: str
+    attach: Callable[[nn.Module, torch.device], Averaging]
+    baseline: str = STOCK
+
+
+def _ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def _hooked(state_of: Callable[[], Any], hook: Callable[..., Any]) -> Callable[..., Averaging]:
+    """A DDP method with ``hook`` and a fresh ``state_of()`` registered."""
+
+    def attach(model: nn.Module, device: torch.device) -> Averaging:
+        ddp = _ddp(model, device)
+        state = state_of()
+        ddp.register_comm_hook(state, hook)
+        return Averaging(ddp, stats=lambda: getattr(state, "last_step", None))
+
+    return attach
+
+
+def _stock(model: nn.Module, device: torch.device) -> Averaging:
+    return Averaging(_ddp(model, device))
+
+
+def _all_reduce_loop(model: nn.Module, device: torch.device) -> Averaging:
+    """What a user of a plain loop would otherwise write: all-reduce every gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    world_size = dist.get_world_size()
+
+    def average() -> None:
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
+
+    return Averaging(model, average)
+
+
+def _loop_api(model: nn.Module, device: torch.device) -> Averaging:
+    reducer = microsparse.GradientReducer(model.named_parameters(), "micro", DENSITY)
+    return Averaging(model, reducer.synchronize, lambda: reducer.last_step)
+
+
+def _bf16_compress(state, bucket):  # unannotated: DDP rejects annotations given as strings
+    """torch's ``bf16_compress_hook`` under another name: DDP accepts that one by name only
+    on NCCL, and the CPU dry run has gloo (which all-reduces bfloat16 too)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def methods(device: torch.device) -> list[Method]:
+    """Every method, each baseline before the methods compared with it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    def power_sgd() -> Any:
+        return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                           start_powerSGD_iter=2)  # fmt: skip
+
+    ddp = microsparse.ddp
+    bf16 = default_hooks.bf16_compress_hook if device.type == "cuda" else _bf16_compress
+    return [
+        Method(STOCK, _stock),
+        Method("fp16_compress_hook", _hooked(lambda: None, default_hooks.fp16_compress_hook)),
+        Method("bf16_compress_hook", _hooked(lambda: None, bf16)),
+        Method("PowerSGD rank 4", _hooked(power_sgd, powerSGD_hook.powerSGD_hook)),
+        Method("micro_hook", _hooked(lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook)),
+        Method("micro_hook one_exchange", _hooked(
+            lambda: ddp.MicroState(density=DENSITY, one_exchange=True), ddp.micro_hook)),
+        Method("sparse_hook topk", _hooked(lambda: ddp.SparseState("topk", DENSITY),
+                                           ddp.sparse_hook)),
+        Method(ALL_REDUCE_LOOP, _all_reduce_loop, baseline=ALL_REDUCE_LOOP),
+        Method("GradientReducer micro", _loop_api, baseline=ALL_REDUCE_LOOP),
+    ]  # fmt: skip
