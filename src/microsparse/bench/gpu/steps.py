@@ -16,7 +16,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -91,7 +91,10 @@ def _bench_model(model: dict[str, Any], build: Callable[[], Workload | str],
     print(f"{workload.name}: d = {workload.numel:,}, built in "
           f"{time.perf_counter() - began:.1f} s", flush=True)  # fmt: skip
     spent: list[float] = []
-    for method in methods(device):
+    listed = methods(device)
+    # Every method is timed before any is profiled: a profiler leaves the process slower for
+    # a while after it stops, which would weigh on whatever is timed next.
+    for method in [*listed, replace(listed[0], label=f"{STOCK}, again")]:
         if not budget.allows(1.5 * (statistics.median(spent) if spent else FIRST_METHOD_SECONDS)):
             model["rows"].append({"method": method.label, "skipped": "out of time"})
             continue
@@ -103,6 +106,12 @@ def _bench_model(model: dict[str, Any], build: Callable[[], Workload | str],
         add_comparisons(model)
         print(progress_line(workload.name, row), flush=True)
         save()
+    rows = {row["method"]: row for row in model["rows"]}
+    for method in listed:
+        row = rows[method.label]
+        if "step_ms" in row and budget.allows(0.5 * statistics.median(spent)):
+            row["calls"] = _profiled(workload, method, device, plan)
+    save()
 
 
 def _bench_method(workload: Workload, method: Method, device: torch.device,
@@ -120,6 +129,35 @@ def _bench_method(workload: Workload, method: Method, device: torch.device,
 
 def _measure(workload: Workload, method: Method, device: torch.device,
              plan: Plan) -> dict[str, Any]:  # fmt: skip
+    step, averaging = _stepper(workload, method, device)
+    for _ in range(plan.warmup):
+        step()
+    reset_peak(device)
+    measured = time_steps(step, plan.timed, device)
+    measured["peak_bytes"] = peak_memory(device)
+    measured["calls"] = "not profiled" if device.type == "cuda" else "needs CUDA"
+    stats = averaging.stats()
+    if stats is not None:
+        measured["density"] = getattr(stats, "density", None)
+    return measured
+
+
+def _profiled(workload: Workload, method: Method, device: torch.device,
+              plan: Plan) -> dict[str, Any] | str:  # fmt: skip
+    """The method's calls per step, on a fresh copy after a short warm-up."""
+    try:
+        _free(device)
+        step, _ = _stepper(workload, method, device)
+        for _ in range(3):
+            step()
+        return _calls(step, plan.profiled, device)
+    except Exception:  # noqa: BLE001 - the timing stands without the counts
+        return {"error": _last_lines(traceback.format_exc())}
+
+
+def _stepper(workload: Workload, method: Method,
+             device: torch.device) -> tuple[Callable[[], None], Any]:  # fmt: skip
+    """One training step of a fresh copy of the model, averaged by ``method``."""
     model, batch = workload.fresh(device)
     averaging = method.attach(model, device)
     optimizer = workload.optimizer(list(model.parameters()))
@@ -135,16 +173,7 @@ def _measure(workload: Workload, method: Method, device: torch.device,
         averaging.after_backward()
         optimizer.step()
 
-    for _ in range(plan.warmup):
-        step()
-    reset_peak(device)
-    measured = time_steps(step, plan.timed, device)
-    measured["peak_bytes"] = peak_memory(device)
-    measured["calls"] = _calls(step, plan.profiled, device)
-    stats = averaging.stats()
-    if stats is not None:
-        measured["density"] = getattr(stats, "density", None)
-    return measured
+    return step, averaging
 
 
 def _calls(step: Callable[[], None], steps: int, device: torch.device) -> dict[str, Any] | str:
@@ -163,7 +192,8 @@ def _calls(step: Callable[[], None], steps: int, device: torch.device) -> dict[s
 
 
 def add_comparisons(model: dict[str, Any]) -> None:
-    """Each row's step time over its baseline's, and its peak memory over stock DDP's."""
+    """Each row's step time over its baseline's, and its own peak memory (what it allocated
+    at most beyond what was allocated before it began) over stock DDP's."""
     rows = {row["method"]: row for row in model["rows"]}
     unit = 4 * model["numel"]
     stock = rows.get(STOCK, {})
@@ -171,15 +201,21 @@ def add_comparisons(model: dict[str, Any]) -> None:
         base = rows.get(row.get("baseline", ""), {})
         if "step_ms" in row and "step_ms" in base:
             row["ratio"] = row["step_ms"] / base["step_ms"]
-        if row.get("peak_bytes") is not None and stock.get("peak_bytes") is not None:
-            row["peak_over_stock_d_floats"] = (row["peak_bytes"] - stock["peak_bytes"]) / unit
+        if _own_peak(row) is not None and _own_peak(stock) is not None:
+            row["peak_over_stock_d_floats"] = (_own_peak(row) - _own_peak(stock)) / unit
+
+
+def _own_peak(row: dict[str, Any]) -> int | None:
+    if row.get("peak_bytes") is None or row.get("allocated_before_bytes") is None:
+        return None
+    return row["peak_bytes"] - row["allocated_before_bytes"]
 
 
 def progress_line(model: str, row: dict[str, Any]) -> str:
     """One line per method, for a log that keeps only its end."""
     if "step_ms" not in row:
         return f"{model} / {row['method']}: {row.get('skipped') or row.get('error', '')[-300:]}"
-    syncs, launches = call_cells(row["calls"])
+    syncs, launches = call_cells(row.get("calls", "not profiled"))
     calls = syncs if syncs == launches else f"{syncs} host syncs, {launches} launches per step"
     peak = "" if row["peak_bytes"] is None else f", peak {row['peak_bytes'] / 2**20:.0f} MiB"
     ratio = f" ({row['ratio']:.3g} ×)" if "ratio" in row else ""
