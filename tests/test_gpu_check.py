@@ -30,7 +30,8 @@ def test_the_device_check_runs_on_cpu(tmp_path) -> None:
 
     models = result["models"]["results"]
     assert [model["model"] for model in models] == ["tiny CNN", "tiny transformer"]
-    labels = [method.label for method in methods(torch.device("cpu"))] + ["stock DDP, again"]
+    labels = [method.label for method in methods(torch.device("cpu"))]
+    labels += ["stock DDP, again", "micro_hook, again"]
     for model in models:
         assert [row["method"] for row in model["rows"]] == labels
         for row in model["rows"]:

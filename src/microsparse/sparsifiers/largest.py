@@ -7,13 +7,9 @@ blocks at least as large, each holding an entry at least as large as any of its 
 the vector is read once, into the maxima of blocks of 32 entries
 (:meth:`~microsparse.sparsifiers.base.Candidates.maxima`; the last entries, past the last
 full chunk of blocks, are always candidates), the q largest of the d/32 maxima pick q
-blocks, and the q largest of their 32·q entries are the answer. Both small selections have
-sizes fixed by q alone: nothing depends on the data but the values.
-
-How the q largest of a short vector are found depends on the device, not the result:
-``torch.topk`` on a GPU (one multi-block radix selection); on a CPU, where ``topk`` costs
-several times ``kthvalue``, the q-th largest value v, then the entries above v (fewer than q)
-and as many equal to v as make up q (:func:`top_indices`).
+blocks, and the q largest of their 32·q entries are the answer (two ``torch.topk`` of
+about d/32 entries each, instead of one of d). Both small selections have sizes fixed by q
+alone: nothing depends on the data but the values.
 """
 
 from __future__ import annotations
@@ -28,27 +24,15 @@ from microsparse.sparsifiers.base import Candidates
 
 def top_indices(values: torch.Tensor, quota: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices of the ``quota`` largest of the 1-D ``values`` (ties: any of them; NaN counts
-    as the largest), and a tensor whose minimum is the smallest of them; no host
-    synchronisation.
+    as the largest), and the values there; no host synchronisation.
 
     Example:
         >>> indices, taken = top_indices(torch.tensor([0.5, 3.0, 1.0, 3.0, 2.0]), 3)
         >>> sorted(indices.tolist()), taken.min().item()
         ([1, 3, 4], 2.0)
     """
-    if values.is_cuda or quota == values.numel():
-        top = torch.topk(values, quota, sorted=False)
-        return top.indices, top.values
-    kth = torch.kthvalue(values, values.numel() - quota + 1).values  # NaN sorts last
-    nan = values.isnan()
-    above = (values > kth) | (nan & ~kth.isnan())  # fewer than quota
-    count = above.sum()
-    first = torch.nonzero_static(above, size=quota).squeeze(1)
-    # The slots after the entries above kth take entries equal to it, in order.
-    equal = torch.nonzero_static((values == kth) | (nan & kth.isnan()), size=quota).squeeze(1)
-    slot = _arange(quota, values.device)
-    rest = equal.index_select(0, slot.sub(count).clamp_(min=0))
-    return torch.where(slot < count, first, rest), kth
+    top = torch.topk(values, quota, sorted=False)
+    return top.indices, top.values
 
 
 class LargestFinder:

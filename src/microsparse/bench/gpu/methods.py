@@ -20,6 +20,7 @@ import microsparse.ddp
 
 DENSITY = 0.001
 STOCK = "stock DDP"
+MICRO = "micro_hook"
 ALL_REDUCE_LOOP = "all-reduce loop"
 
 
@@ -102,14 +103,14 @@ def methods(device: torch.device) -> list[Method]:
     bf16 = default_hooks.bf16_compress_hook if device.type == "cuda" else _bf16_compress
     return [
         Method(STOCK, _stock),
-        Method("fp16_compress_hook", _hooked(lambda: None, default_hooks.fp16_compress_hook)),
-        Method("bf16_compress_hook", _hooked(lambda: None, bf16)),
-        Method("PowerSGD rank 4", _hooked(power_sgd, powerSGD_hook.powerSGD_hook)),
-        Method("micro_hook", _hooked(lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook)),
+        Method(MICRO, _hooked(lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook)),
         Method("micro_hook one_exchange", _hooked(
             lambda: ddp.MicroState(density=DENSITY, one_exchange=True), ddp.micro_hook)),
         Method("sparse_hook topk", _hooked(lambda: ddp.SparseState("topk", DENSITY),
                                            ddp.sparse_hook)),
+        Method("fp16_compress_hook", _hooked(lambda: None, default_hooks.fp16_compress_hook)),
+        Method("bf16_compress_hook", _hooked(lambda: None, bf16)),
+        Method("PowerSGD rank 4", _hooked(power_sgd, powerSGD_hook.powerSGD_hook)),
         Method(ALL_REDUCE_LOOP, _all_reduce_loop, baseline=ALL_REDUCE_LOOP),
         Method("GradientReducer micro", _loop_api, baseline=ALL_REDUCE_LOOP),
     ]  # fmt: skip

@@ -31,7 +31,7 @@ from microsparse.bench.gpu.measure import (
     reset_peak,
     time_steps,
 )
-from microsparse.bench.gpu.methods import STOCK, Method, methods
+from microsparse.bench.gpu.methods import MICRO, STOCK, Method, methods
 from microsparse.bench.gpu.models import Workload, workloads
 
 
@@ -45,6 +45,9 @@ class Plan:
 
 
 QUICK = Plan(warmup=3, timed=4, profiled=2)
+PROFILE_AFTER = 12
+"""Steps before a method is profiled: DDP times its first 10 iterations with events it waits
+for (and every 100th), which would count as host syncs."""
 FIRST_METHOD_SECONDS = 20.0
 """What a method is assumed to take before one of its model was measured (then: 1.5 × the
 median of those measured; the first also pays the profiler's set-up)."""
@@ -92,9 +95,11 @@ def _bench_model(model: dict[str, Any], build: Callable[[], Workload | str],
           f"{time.perf_counter() - began:.1f} s", flush=True)  # fmt: skip
     spent: list[float] = []
     listed = methods(device)
-    # Every method is timed before any is profiled: a profiler leaves the process slower for
-    # a while after it stops, which would weigh on whatever is timed next.
-    for method in [*listed, replace(listed[0], label=f"{STOCK}, again")]:
+    # Every method is timed before any is profiled (a profiler leaves the process slower for
+    # a while after it stops); stock DDP and the MiCRO hook are timed again last, which shows
+    # how much the process itself drifted meanwhile.
+    again = [replace(m, label=f"{m.label}, again") for m in listed if m.label in (STOCK, MICRO)]
+    for method in [*listed, *again]:
         if not budget.allows(1.5 * (statistics.median(spent) if spent else FIRST_METHOD_SECONDS)):
             model["rows"].append({"method": method.label, "skipped": "out of time"})
             continue
@@ -145,10 +150,12 @@ def _measure(workload: Workload, method: Method, device: torch.device,
 def _profiled(workload: Workload, method: Method, device: torch.device,
               plan: Plan) -> dict[str, Any] | str:  # fmt: skip
     """The method's calls per step, on a fresh copy after a short warm-up."""
+    if device.type != "cuda":
+        return "needs CUDA"
     try:
         _free(device)
         step, _ = _stepper(workload, method, device)
-        for _ in range(3):
+        for _ in range(PROFILE_AFTER):
             step()
         return _calls(step, plan.profiled, device)
     except Exception:  # noqa: BLE001 - the timing stands without the counts
