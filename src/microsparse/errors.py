@@ -12,10 +12,10 @@ class ConfigMismatchError(RuntimeError):
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A gradient contained NaN or Inf at a synchronisation step.
+    """A gradient contained NaN or Inf at a synchronisation step (with ``nonfinite="raise"``).
 
-    Raised on every rank of the group in the same step. Sending such a gradient would
-    spread it into every worker's parameters and, through error feedback, keep it in the
-    residual forever, so microsparse stops instead. The reducer's residual is not usable
-    after this error: restore it from a checkpoint (``load_state_dict``) or build a new one.
+    Raised on every rank of the group in the same step, before anything changed: every
+    residual, the sparsifier's state and the step counter are as they were before the call, so
+    the caller may skip the batch and go on. (By default, ``nonfinite="skip"``, such a step is
+    skipped on every rank instead, without the host waiting for the device.)
     """

@@ -295,15 +295,14 @@ class SparseStep:
         )
 
     def _read_guard(self, sync_free: bool) -> bool:
-        """Whether this step reads its guard on the host (and clears ``check_next``)."""
-        read = self.check_next or self.nonfinite == "raise" or not sync_free
-        self.check_next = False
-        return read
+        """Whether this step reads its guard on the host."""
+        return self.check_next or self.nonfinite == "raise" or not sync_free
 
     def _checked(self, rows: torch.Tensor, step: int, fresh: Fresh) -> bool:
         """The guard read on the host: raises on ranks at other steps, and on a NaN or Inf
         with ``nonfinite="raise"``; else whether the step is skipped."""
-        bad = Guard.check(rows)
+        bad = Guard.check(rows)  # ranks at other steps raise here, and are checked again
+        self.check_next = False
         if bad and self.nonfinite == "raise":
             raise self._nonfinite(step, bad, fresh)
         return bool(bad)
