@@ -34,9 +34,44 @@ def test_unknown_sparsifier_lists_the_choices() -> None:
 
 
 def test_unknown_option_names_the_accepted_ones() -> None:
-    expected = r"no option 'threshold'; it accepts: selection, threshold_rule"
-    with pytest.raises(ValueError, match=expected):
+    expected = r"keyword 'threshold' \(did you mean 'threshold_rule'\?\)\..*takes: selection"
+    with pytest.raises(TypeError, match=expected):
         GradientReducer(linear(), "micro", 0.1, threshold=0.5)
+
+
+@pytest.mark.parametrize(("owner", "keyword", "closest"), [
+    (GradientReducer, "value_dtyp", "value_dtype"),
+    (GradientReducer, "momentum_corection", "momentum_correction"),
+    (microsparse.ddp.MicroState, "one_exchang", "one_exchange"),
+    (microsparse.ddp.SparseState, "timout", "timeout"),
+])  # fmt: skip
+def test_a_misspelt_keyword_is_named_with_the_closest_spelling(owner, keyword, closest) -> None:
+    arguments = (linear(), "topk", 0.1) if owner is GradientReducer else ()
+    with pytest.raises(TypeError, match=f"'{keyword}' \\(did you mean '{closest}'\\?\\)"):
+        owner(*arguments, **{keyword: 1})
+
+
+def test_transactional_names_what_replaced_it() -> None:
+    with pytest.raises(TypeError, match="nonfinite='raise'"):
+        GradientReducer(linear(), "micro", 0.1, transactional=True)
+
+
+def test_the_hook_state_refuses_a_positional_value_dtype_and_a_bad_timeout() -> None:
+    with pytest.raises(TypeError, match="process_group .* must be a torch.distributed"):
+        microsparse.ddp.SparseState("micro", 0.001, torch.bfloat16)
+    with pytest.raises(ValueError, match="timeout must be None or a number of seconds > 0"):
+        microsparse.ddp.MicroState(0.001, timeout=-1)
+
+
+def test_import_microsparse_gives_its_submodules() -> None:
+    import subprocess
+    import sys
+
+    code = "import microsparse; print(microsparse.ddp.MicroState.__name__)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "MicroState", result.stderr
+    with pytest.raises(AttributeError, match="no attribute 'dpp'"):
+        microsparse.dpp  # noqa: B018
 
 
 def test_unknown_threshold_rule() -> None:

@@ -6,6 +6,9 @@ Example:
     True
 """
 
+import importlib
+from typing import Any
+
 from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
 from microsparse.ranks import EveryRank
 from microsparse.reducer import GradientReducer
@@ -13,6 +16,15 @@ from microsparse.sparsifiers import available_sparsifiers, register_sparsifier
 from microsparse.stats import StepStats
 
 __version__ = "0.1.0"
+
+_SUBMODULES = ("ddp", "lightning")
+"""Imported when first used (``microsparse.ddp.MicroState``): Lightning is an optional extra."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"microsparse.{name}")
+    raise AttributeError(f"module 'microsparse' has no attribute {name!r}")
 
 __all__ = [
     "ConfigMismatchError",

@@ -21,7 +21,7 @@ from microsparse.engine import GradientOutput, SparseStep, StepReport, run_block
 from microsparse.engine.step import NonFinite, scaler_scale
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
-from microsparse.sparsifiers import create_sparsifier
+from microsparse.sparsifiers import create_sparsifier, keywords_of
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import Pending, StepStats
 
@@ -153,7 +153,8 @@ class GradientReducer:
         self._comm = collectives if collectives is not None else ProcessGroupCollectives(
             process_group
         )
-        self.sparsifier = create_sparsifier(sparsifier, density, **options)
+        self.sparsifier = create_sparsifier(sparsifier, density, owner=keywords_of(type(self)),
+                                            **options)  # fmt: skip
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
         self.nonfinite = nonfinite

@@ -21,7 +21,7 @@ from microsparse.engine import StepReport
 from microsparse.engine.step import NONFINITE, NonFinite
 from microsparse.feedback import check_adam, check_momentum
 from microsparse.layout import Layout
-from microsparse.sparsifiers import Sparsifier, create_sparsifier
+from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
 from microsparse.sparsifiers.base import validate_density
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import Pending, StepStats
@@ -110,6 +110,16 @@ class SparseState:
             raise ValueError(
                 f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
             )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group (the third positional argument) must be a torch.distributed "
+                f"ProcessGroup or None; got {process_group!r}. Pass the others by keyword, "
+                "e.g. SparseState('micro', 0.001, value_dtype=torch.bfloat16)"
+            )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
+        ):
+            raise ValueError(f"timeout must be None or a number of seconds > 0; got {timeout!r}")
         self.sparsifier = sparsifier
         self.density = validate_density(density)
         self.options = dict(options)
@@ -127,7 +137,8 @@ class SparseState:
                 "adam_correction keeps Adam's moments of unscaled gradients and replaces "
                 "momentum correction: use it without grad_scaler and momentum_correction"
             )
-        create_sparsifier(sparsifier, self.density, **options)  # the options' errors, now
+        # the options' errors, now, with the closest spelling of a misspelt keyword
+        create_sparsifier(sparsifier, self.density, owner=keywords_of(type(self)), **options)
         if self.adam is not None and self.averages_densely:
             raise ValueError(
                 "adam_correction needs error feedback, but this state averages densely "

@@ -8,6 +8,9 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from microsparse.sparsifiers.base import Sparsifier, validate_density
@@ -40,8 +43,21 @@ def method_sparsifiers() -> list[str]:
     return [name for name in available_sparsifiers() if not _REGISTRY[name].yardstick]
 
 
-def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
-    """Instantiate a registered sparsifier, with errors that name the bad argument."""
+def create_sparsifier(
+    name: str, density: float, *, owner: tuple[str, Sequence[str]] | None = None, **options: Any
+) -> Sparsifier:
+    """Instantiate a registered sparsifier, with errors that name the bad argument.
+
+    ``owner``: the caller's name and its own keywords, for a keyword that neither it nor the
+    sparsifier takes (the error then suggests the closest spelling among all of them).
+
+    Example:
+        >>> create_sparsifier("topk", 0.1, owner=("GradientReducer", ["value_dtype"]),
+        ...                   value_dtyp=None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: GradientReducer got an unexpected keyword 'value_dtyp' (did you mean ...
+    """
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"sparsifier must be one of {', '.join(available_sparsifiers())}; got {name!r}"
@@ -50,11 +66,42 @@ def create_sparsifier(name: str, density: float, **options: Any) -> Sparsifier:
     accepted = cls.option_names()
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        hint = f"it accepts: {', '.join(accepted)}" if accepted else "it takes no options"
-        raise ValueError(
-            f"sparsifier {name!r} has no option {', '.join(map(repr, unknown))}; {hint}"
-        )
+        raise _unknown_option(name, unknown[0], accepted, owner)
     return cls(density, **options)
+
+
+def keywords_of(cls: type) -> tuple[str, list[str]]:
+    """A class's name and its constructor's keyword-only parameters: the ``owner`` of
+    :func:`create_sparsifier` for a class that passes the rest of its keywords on.
+
+    Example:
+        >>> class Reducer:
+        ...     def __init__(self, density, *, value_dtype=None, **options): ...
+        >>> keywords_of(Reducer)
+        ('Reducer', ['value_dtype'])
+    """
+    names = inspect.signature(cls.__init__).parameters
+    return cls.__name__, [name for name, p in names.items() if p.kind == p.KEYWORD_ONLY]
+
+
+def _unknown_option(
+    name: str, bad: str, accepted: list[str], owner: tuple[str, Sequence[str]] | None
+) -> Exception:
+    hint = f"takes: {', '.join(accepted)}" if accepted else "takes no options"
+    if bad == "transactional":
+        return TypeError(
+            "transactional is gone: a failed step now always leaves every residual as it "
+            "was; pass nonfinite='raise' to raise NonFiniteGradientError instead of skipping"
+        )
+    if owner is None:
+        return ValueError(f"sparsifier {name!r} has no option {bad!r}; it {hint}")
+    caller, keywords = owner
+    close = difflib.get_close_matches(bad, [*keywords, *accepted], n=1)
+    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+    return TypeError(
+        f"{caller} got an unexpected keyword {bad!r}{suggestion}. {caller} takes "
+        f"{', '.join(keywords)}; sparsifier {name!r} {hint}"
+    )
 
 
 # Importing the modules registers their sparsifiers.
@@ -73,6 +120,7 @@ __all__ = [
     "Sparsifier",
     "available_sparsifiers",
     "create_sparsifier",
+    "keywords_of",
     "method_sparsifiers",
     "register_sparsifier",
     "validate_density",
