@@ -220,7 +220,6 @@ class GradientReducer:
         except BaseException:
             self._engine.rollback()
             raise
-        self._engine.commit()
         self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, clock.wall())
         self.step += 1
         return self.last_step

@@ -232,8 +232,8 @@ def _begin_pass(state: SparseState, binding: _Binding, device: torch.device) -> 
 
 
 def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None:
-    """After DDP has finished the pass: commit every slab's step and publish the statistics,
-    or roll them all back and raise its error."""
+    """After DDP has finished the pass: publish the statistics, or roll every slab's
+    sparsifier back and raise the pass's error."""
     binding.current = None
     binding.slabs.end_pass()
     if state.speed is not None:
@@ -249,8 +249,6 @@ def _end_pass(state: SparseState, binding: _Binding, record: PassRecord) -> None
         for job in record.ran:
             job.slab.engine.rollback()
         raise record.error
-    for job in record.ran:
-        job.slab.engine.commit()
     if record.reports:
         state.last_step = record.stats(binding.world_size)
     state.step += 1

@@ -438,7 +438,7 @@ class PassRecord:
     step: int
     reports: list[tuple[Job, StepReport]] = field(default_factory=list)
     ran: list[Job] = field(default_factory=list)
-    """Every slab step started this pass (committed or rolled back together at its end)."""
+    """Every slab step started this pass (rolled back together if the pass fails)."""
     error: BaseException | None = None
     buckets: dict[int, tuple[torch.futures.Future, torch.Tensor, set]] = field(
         default_factory=dict

@@ -323,9 +323,6 @@ class SparseStep:
             else:
                 self.framing = renewed
 
-    def commit(self) -> None:
-        """The step that just ran is the new state (nothing to do: the residual is it)."""
-
     def rollback(self) -> None:
         """Undo the step that just failed: the sparsifier's state as before it; the driver
         does not count the step. (A step fails before it changes any residual.)"""
