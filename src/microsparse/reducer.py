@@ -18,7 +18,7 @@ from microsparse.comm.collectives import (
     check_agreement,
 )
 from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
-from microsparse.engine.step import NonFinite, scaler_scale
+from microsparse.engine.step import NonFinite, elapsed_seconds, scaler_scale
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier, keywords_of
@@ -324,7 +324,7 @@ class _Wall:
             return time.perf_counter() - self._start
         begin, end = self._start, torch.cuda.Event(enable_timing=True)
         end.record()
-        return Pending(lambda: (end.synchronize(), begin.elapsed_time(end) / 1e3)[1])
+        return Pending(lambda: elapsed_seconds(begin, end))
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

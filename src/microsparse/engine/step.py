@@ -125,7 +125,7 @@ class Guard:
         >>> guard = Guard(torch.device("cpu"))
         >>> request = guard.request([torch.tensor([1.0, float("inf")])], step=3)
         >>> rows = request.tensor.unsqueeze(0)           # a group of one
-        >>> guard.skip(rows)
+        >>> guard.skip(rows, step=3)
         tensor([1.])
     """
 
@@ -142,11 +142,11 @@ class Guard:
         flag_nonfinite(fresh, self._message[:1])
         # Kernel arguments, not copies from the host.
         self._message[1:].fill_(step % self.PERIOD)
-        self._expected[1:].fill_(step % self.PERIOD)
         return Collective("all_gather", self._message, "guard")
 
-    def skip(self, rows: torch.Tensor) -> torch.Tensor:
+    def skip(self, rows: torch.Tensor, step: int) -> torch.Tensor:
         """1 (one-element float32, on the device) if any rank flagged or is at another step."""
+        self._expected[1:].fill_(step % self.PERIOD)
         return rows.ne(self._expected).any().to(torch.float32).view(1)
 
     @staticmethod
@@ -247,7 +247,7 @@ class SparseStep:
                 output.poison()
                 return self._skipped(clock)
         else:
-            skip = self.guard.skip(rows)
+            skip = self.guard.skip(rows, step)
         self.feedback.compensate(fresh, step, skip, scale)
         skipped = None if skip is None else skip.bool()
         accumulated = self.feedback.accumulated
@@ -487,7 +487,7 @@ class _Clock:
         if self._cuda:
             begin = self._mark
             self._mark = now
-            return Pending(lambda: _elapsed(begin, now))
+            return Pending(lambda: elapsed_seconds(begin, now))
         seconds, self._local, self._mark = self._local + now - self._mark, 0.0, now
         return seconds
 
@@ -502,7 +502,8 @@ class _Clock:
         return sizes
 
 
-def _elapsed(begin: Any, end: Any) -> float:
+def elapsed_seconds(begin: torch.cuda.Event, end: torch.cuda.Event) -> float:
+    """Seconds between two recorded CUDA events (waits for ``end``: read only when asked)."""
     end.synchronize()
     return begin.elapsed_time(end) / 1e3
 
