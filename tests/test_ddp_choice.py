@@ -123,6 +123,7 @@ def mismatch_worker(rank: int, n: int) -> str:
 def test_ranks_with_other_options_fail_at_the_first_pass_instead_of_hanging(tmp_path) -> None:
     for message in run_ranks(mismatch_worker, 2, tmp_path):
         assert "ranks disagree on the DDP hook's options" in message
+        assert "density (rank 0: 0.05, rank 1: 0.1)" in message, message
 
 
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "fast", True])

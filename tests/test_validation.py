@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -123,6 +124,29 @@ def test_no_trainable_parameters() -> None:
         GradientReducer([], "micro", 0.1)
 
 
+def test_synchronize_before_backward_says_to_call_backward() -> None:
+    model = torch.nn.Linear(4, 2)
+    reducer = GradientReducer(model.parameters(), "micro", 0.5)
+    with pytest.raises(RuntimeError, match=r"every \.grad is None.*loss\.backward\(\) first"):
+        reducer.synchronize()
+    assert model.weight.grad is None and reducer.step == 0  # nothing was written
+
+
+def ddp_warning_worker(rank: int, n: int) -> list[str]:
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GradientReducer(ddp, "micro", 0.5)
+        GradientReducer(ddp.module, "micro", 0.5)
+    return [str(w.message) for w in caught]
+
+
+def test_a_ddp_model_is_named_since_it_would_also_average_densely(tmp_path) -> None:
+    for messages in run_ranks(ddp_warning_worker, 2, tmp_path):
+        assert len(messages) == 1, messages  # the wrapped model only, not its .module
+        assert "averages every gradient densely" in messages[0] and "ddp.module" in messages[0]
+
+
 def test_frozen_and_tied_parameters_are_counted_once() -> None:
     model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
     model[1].weight = model[0].weight  # tied
@@ -205,8 +229,9 @@ def mismatch_worker(rank: int, n: int, what: str) -> str:
 @pytest.mark.parametrize(
     ("what", "message"),
     [
-        ("density", "ranks disagree on the reducer configuration"),
-        ("shape", "ranks disagree on the reducer configuration"),
+        ("density", r"ranks disagree on the reducer configuration.*: "
+                    r"density \(rank 0: 0\.05, rank 1: 0\.025\); every rank must pass"),
+        ("shape", r"parameter shapes \(rank 0: 3x64,3, rank 1: 4x64,4\)"),
         (
             "step",
             r"called synchronize\(\) a different number of times \(steps per rank: \[0, 7\]\)",

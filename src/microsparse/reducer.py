@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -183,6 +184,7 @@ class GradientReducer:
             "the reducer configuration (parameter count, layout, sparsifier, density, options)",
             [self.layout.numel, zlib.crc32(self._fingerprint().encode())],
             first.device,
+            described=self._config(),
         )
 
     @property
@@ -213,6 +215,11 @@ class GradientReducer:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         clock = _Wall(self._feedback.residual.device)
         fresh = [p.grad for p in self._params]
+        if all(gradient is None for gradient in fresh):  # would average zeros into every .grad
+            raise RuntimeError(
+                "synchronize(): no parameter has a gradient (every .grad is None); call "
+                "loss.backward() first, once per step on every rank, then synchronize()"
+            )
         scale = scaler_scale(self.grad_scaler)
         protocol = self._engine.run(self.step, fresh, self._output, scale=scale)
         try:
@@ -224,20 +231,31 @@ class GradientReducer:
         self.step += 1
         return self.last_step
 
-    def _fingerprint(self) -> str:
+    def _config(self) -> dict[str, str]:
+        """The options every rank must share, as text (joined, the saved fingerprint)."""
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
-        fingerprint = (
-            f"{shapes}|{self.sparsifier.name}|{self.sparsifier.density!r}|"
-            f"{sorted(self.sparsifier.options().items())}|{self._feedback.residual.dtype}|"
-            f"{self.value_dtype}|{self.nonfinite == 'raise'}"
-        )
+        config = {
+            "parameter shapes": shapes,
+            "sparsifier": self.sparsifier.name,
+            "density": repr(self.sparsifier.density),
+            "sparsifier options": str(sorted(self.sparsifier.options().items())),
+            "gradient dtype": str(self._feedback.residual.dtype),
+            "value_dtype": str(self.value_dtype),
+            "nonfinite='raise'": str(self.nonfinite == "raise"),
+        }
         if self.momentum_correction:  # absent otherwise: older states still load
-            fingerprint += f"|momentum {self.momentum_correction} {self._feedback.nesterov}"
+            config["momentum_correction"] = (
+                f"momentum {self.momentum_correction} {self._feedback.nesterov}"
+            )
         if self.adam_correction is not None:
-            fingerprint += f"|adam {self.adam_correction!r}"
+            config["adam_correction"] = f"adam {self.adam_correction!r}"
         if self.density_warmup is not None:
-            fingerprint += f"|warm-up {self.density_warmup.start!r} {self.density_warmup.steps}"
-        return fingerprint
+            warmup = self.density_warmup
+            config["density_warmup"] = f"warm-up {warmup.start!r} {warmup.steps}"
+        return config
+
+    def _fingerprint(self) -> str:
+        return "|".join(self._config().values())
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: step, residual, sparsifier state.
@@ -328,6 +346,14 @@ class _Wall:
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:
+    if isinstance(params, nn.parallel.DistributedDataParallel):
+        warnings.warn(
+            "params: a DistributedDataParallel model averages every gradient densely in "
+            "backward(), so the reducer would send sparse traffic on top of dense: pass the "
+            "plain model (ddp.module, or the model before wrapping), or keep DDP and register "
+            "microsparse.ddp.sparse_hook instead (docs/DDP.md)",
+            stacklevel=3,
+        )
     items = list(params.named_parameters() if isinstance(params, nn.Module) else params)
     names: list[str] = []
     tensors: list[torch.Tensor] = []

@@ -19,7 +19,7 @@ reports m, the leader's cost and an upper bound for the others.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -174,14 +174,56 @@ class ProcessGroupCollectives:
 
 
 def check_agreement(
-    collectives: Collectives, what: str, values: Sequence[int], device: torch.device
+    collectives: Collectives,
+    what: str,
+    values: Sequence[int],
+    device: torch.device,
+    described: Mapping[str, object] | None = None,
 ) -> None:
-    """Raise ``ConfigMismatchError`` on every rank unless all ranks pass equal ``values``."""
+    """Raise ``ConfigMismatchError`` on every rank unless all ranks pass equal ``values``.
+
+    ``values`` are small integers (sizes, checksums) compared in one all-gather. Where they
+    differ and ``described`` maps each option to its value, every rank then gathers the
+    descriptions (this path runs only on a mismatch) and the error names each option that
+    differs with its value on every rank, not a checksum.
+    """
     row = torch.tensor(list(values), dtype=torch.long, device=device)
     rows = collectives.run(Collective("all_gather", row, "agreement")).tolist()
-    if any(r != rows[0] for r in rows):
-        listing = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(rows))
-        raise ConfigMismatchError(f"ranks disagree on {what} ({listing})")
+    if all(r == rows[0] for r in rows):
+        return
+    if described is not None and isinstance(collectives, ProcessGroupCollectives):
+        everyone: list[Mapping[str, object] | None] = [None] * collectives.world_size
+        dist.all_gather_object(everyone, dict(described), group=collectives.group)
+        differing = describe_differences(everyone)
+        if differing:
+            raise ConfigMismatchError(
+                f"ranks disagree on {what}: {differing}; every rank must pass the same values"
+            )
+    listing = "; ".join(f"rank {rank}: {r}" for rank, r in enumerate(rows))
+    raise ConfigMismatchError(f"ranks disagree on {what} ({listing})")
+
+
+def describe_differences(everyone: Sequence[Mapping[str, object] | None]) -> str:
+    """The options whose values differ between ranks, each with every rank's value.
+
+    Example:
+        >>> describe_differences([{"density": 0.01, "x": 1}, {"density": 0.02, "x": 1}])
+        'density (rank 0: 0.01, rank 1: 0.02)'
+    """
+    keys = dict.fromkeys(key for options in everyone for key in (options or {}))
+    missing = "(not set)"
+
+    def shown(value: object) -> str:
+        text = str(value)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    parts = []
+    for key in keys:
+        values = [(options or {}).get(key, missing) for options in everyone]
+        if any(v != values[0] for v in values):
+            ranks = ", ".join(f"rank {r}: {shown(v)}" for r, v in enumerate(values))
+            parts.append(f"{key} ({ranks})")
+    return "; ".join(parts)
 
 
 def check_steps(steps: Sequence[int], what: str = "synchronize()") -> None:

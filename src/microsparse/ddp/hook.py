@@ -219,7 +219,7 @@ def _begin_pass(state: SparseState, binding: _Binding, device: torch.device) -> 
     try:
         if not binding.agreed:  # before any collective whose size the options decide
             check_agreement(first, "the DDP hook's options (SparseState)",
-                            [state.fingerprint()], device)  # fmt: skip
+                            [state.fingerprint()], device, state.described())  # fmt: skip
             binding.agreed = True
         if state.speed is not None:
             record.dense = state.speed.begin_pass(

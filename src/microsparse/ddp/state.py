@@ -287,6 +287,12 @@ class SparseState:
         that may average with this one)."""
         return zlib.crc32(repr(sorted(self._config().items())).encode())
 
+    def described(self) -> dict[str, Any]:
+        """The options of :meth:`fingerprint`, by name, to say which differ between ranks."""
+        config = self._config()
+        config["nonfinite='raise'"] = config.pop("transactional")  # its name in older states
+        return config
+
     def state_dict(self) -> dict[str, Any]:
         """Step, every parameter's residual, the slabs and their sparsifiers' states (this
         rank's; save one per rank, between steps). Process groups are not part of it.
