@@ -118,15 +118,17 @@ class Guard:
 
     The flag comes from one fused read pass over the fresh gradients
     (:func:`~microsparse.feedback.flag_nonfinite`), written straight into the message; the
-    verdict, 1 if any rank's flag is set or any rank's step differs, stays on the device
-    (:meth:`skip`) unless read (:meth:`check`).
+    verdict, True if any rank's flag is set or any rank's step differs, stays on the device
+    (:meth:`skip`) unless read (:meth:`check`). Every kernel counts where a step is bound by
+    the host: the message [flag, step] and the row it is compared with, [0, step], share one
+    buffer, written [0, step, 0, step] by one multiplication of a constant [0, 1, 0, 1].
 
     Example:
         >>> guard = Guard(torch.device("cpu"))
         >>> request = guard.request([torch.tensor([1.0, float("inf")])], step=3)
         >>> rows = request.tensor.unsqueeze(0)           # a group of one
-        >>> guard.skip(rows, step=3)
-        tensor([1.])
+        >>> guard.skip(rows)
+        tensor([True])
     """
 
     BYTES = 8
@@ -134,20 +136,22 @@ class Guard:
     PERIOD = 2**24
 
     def __init__(self, device: torch.device) -> None:
-        self._message = torch.zeros(2, dtype=torch.float32, device=device)
-        self._expected = torch.zeros(2, dtype=torch.float32, device=device)
+        self._pattern = torch.tensor([0.0, 1.0, 0.0, 1.0], device=device)
+        self._buffer = torch.zeros(4, dtype=torch.float32, device=device)
+        self._message, self._expected = self._buffer[:2], self._buffer[2:]
+        self._flag = self._buffer[:1]
 
     def request(self, fresh: Fresh, step: int) -> Collective:
         """Flag this rank's gradient and return the all-gather of [flag, step]."""
-        flag_nonfinite(fresh, self._message[:1])
-        # Kernel arguments, not copies from the host.
-        self._message[1:].fill_(step % self.PERIOD)
+        # The step is a kernel argument, not a copy from the host; exact below 2**24.
+        torch.mul(self._pattern, step % self.PERIOD, out=self._buffer)
+        flag_nonfinite(fresh, self._flag, cleared=True)
         return Collective("all_gather", self._message, "guard")
 
-    def skip(self, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """1 (one-element float32, on the device) if any rank flagged or is at another step."""
-        self._expected[1:].fill_(step % self.PERIOD)
-        return rows.ne(self._expected).any().to(torch.float32).view(1)
+    def skip(self, rows: torch.Tensor) -> torch.Tensor:
+        """True (one-element bool, on the device) if any rank flagged or is at another step
+        than this rank's last :meth:`request`."""
+        return rows.ne(self._expected).any().view(1)
 
     @staticmethod
     def check(rows: torch.Tensor, what: str = "synchronize()") -> list[int]:
@@ -237,7 +241,7 @@ class SparseStep:
             self._follow_schedule(step)
         sparsifier = self.sparsifier
         counts = sparsifier.counts(step)
-        skip: torch.Tensor | None = None
+        skip = skipped = None
         # Only where every size is known before the data (quotas in a fixed message) does
         # the step run without reading anything back; elsewhere the guard is read first.
         sync_free = counts is not None and not exclude and isinstance(self.framing, Fixed)
@@ -247,9 +251,9 @@ class SparseStep:
                 output.poison()
                 return self._skipped(clock)
         else:
-            skip = self.guard.skip(rows, step)
+            skipped = self.guard.skip(rows)
+            skip = skipped.to(torch.float32)  # what torch's fused kernels skip on
         self.feedback.compensate(fresh, step, skip, scale)
-        skipped = None if skip is None else skip.bool()
         accumulated = self.feedback.accumulated
         planned = yield from clock.local(self._pre_selection(accumulated, step))
         counts = planned if planned is not None else counts

@@ -233,16 +233,18 @@ def check_adam(adam: Sequence[float]) -> tuple[float, float, float]:
     return beta1, beta2, eps
 
 
-def flag_nonfinite(fresh: Fresh, flag: torch.Tensor) -> torch.Tensor:
+def flag_nonfinite(fresh: Fresh, flag: torch.Tensor, cleared: bool = False) -> torch.Tensor:
     """Set ``flag`` (one-element float32) to 1 if a gradient in ``fresh`` holds a NaN or Inf,
-    else to 0: one fused read pass over every gradient, no host synchronisation.
+    else to 0: one fused read pass over every gradient, no host synchronisation. With
+    ``cleared`` the caller has already written 0 there (one kernel less).
 
     Example:
         >>> flag = torch.zeros(1)
         >>> flag_nonfinite([torch.ones(3), None, torch.tensor([1.0, float("nan")])], flag)
         tensor([1.])
     """
-    flag.zero_()
+    if not cleared:
+        flag.zero_()
     gradients = [fresh] if isinstance(fresh, torch.Tensor) else [g for g in fresh if g is not None]
     one = _ones.get(flag.device)
     if one is None:
