@@ -17,7 +17,7 @@ from microsparse.stats import StepStats
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("ddp", "lightning")
+_SUBMODULES = ("ddp", "fsdp", "lightning")
 """Imported when first used (``microsparse.ddp.MicroState``): Lightning is an optional extra."""
 
 

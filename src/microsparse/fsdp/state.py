@@ -1,0 +1,322 @@
+"""The sparse exchange across replicas inside FSDP2's all-reduce hook; see ``microsparse.fsdp``."""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from microsparse.comm import ProcessGroupCollectives
+from microsparse.comm.collectives import check_agreement
+from microsparse.ddp.slabs import Job, Slab
+from microsparse.ddp.state import VALUE_DTYPES, PassRecord
+from microsparse.engine import FlatOutput
+from microsparse.engine.step import NONFINITE, NonFinite, run_blocking
+from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
+from microsparse.sparsifiers.base import validate_density
+from microsparse.stats import StepStats
+
+
+def sparsify(
+    model: nn.Module,
+    replicate: Any,
+    density: float,
+    sparsifier: str = "micro",
+    *,
+    value_dtype: torch.dtype | None = None,
+    nonfinite: NonFinite = "skip",
+    **options: Any,
+) -> ShardedState:
+    """Average ``model``'s gradient shards across ``replicate`` sparsely, with error feedback.
+
+    Call it once, after ``fully_shard`` has sharded the model over the shard dimension of the
+    mesh (``mesh["shard"]``, not the 2-D mesh: this replaces hybrid sharding's all-reduce).
+
+    Args:
+        model: a model whose modules ``fully_shard`` has wrapped (FSDP2).
+        replicate: the replicate dimension, a 1-D ``DeviceMesh`` (``mesh["replicate"]``) or
+            its ``ProcessGroup``: the ranks that hold the same shard in each replica.
+        density: fraction of the gradient entries to send per step, in (0, 1], kept over the
+            whole model (each FSDP module's shard gets its share, by size). At 1 every
+            sparsifier averages densely: hybrid sharding's own average.
+        sparsifier: a name from :func:`microsparse.available_sparsifiers` (default MiCRO).
+        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``;
+            the rounding stays in the residual.
+        nonfinite: ``"skip"`` (default): a NaN or Inf in any replica's shard changes none of
+            that module's residuals and writes NaN into its gradient shard; ``"raise"``: every
+            rank raises ``NonFiniteGradientError`` from ``backward()``.
+        **options: the sparsifier's options (e.g. MiCRO's ``selection``).
+
+    Returns the :class:`ShardedState`: ``step``, ``last_step`` (:class:`~microsparse.StepStats`
+    of the last backward pass), ``state_dict()`` and ``load_state_dict()``.
+
+    Example (2 replicas of 2 shards; see ``tests/test_fsdp.py``)::
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh["shard"])
+        state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.001)
+    """
+    state = ShardedState(replicate, density, sparsifier, value_dtype=value_dtype,
+                         nonfinite=nonfinite, **options)  # fmt: skip
+    state.attach(model)
+    return state
+
+
+class ShardedState:
+    """Options, residuals and statistics of the sparse exchange across replicas.
+
+    Built by :func:`sparsify`. One slab per FSDP module, met in the order of the first
+    backward pass: the module's gradient shard as FSDP reduce-scattered it (summed or averaged
+    over the shard dimension), its residual (the shard's size, in float32 at least), its
+    sparsifier and its engine, bound to this rank's place in the replicate dimension. Each
+    module's step runs to its end inside the hook, in the stream FSDP runs the hook in.
+    """
+
+    def __init__(
+        self,
+        replicate: Any,
+        density: float,
+        sparsifier: str = "micro",
+        *,
+        value_dtype: torch.dtype | None = None,
+        nonfinite: NonFinite = "skip",
+        **options: Any,
+    ) -> None:
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(
+                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
+            )
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        self.group = _replicate_group(replicate)
+        self.sparsifier = sparsifier
+        self.density = validate_density(density)
+        self.options = dict(options)
+        self.value_dtype = value_dtype
+        self.nonfinite = nonfinite
+        owner = ("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1])
+        create_sparsifier(sparsifier, self.density, owner=owner, **options)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        """This rank's place and the number of replicas (the exchange's n)."""
+        self.step = 0
+        """Backward passes averaged (the rotation counter t)."""
+        self.last_step: StepStats | None = None
+        """Statistics of the last backward pass, over every FSDP module's shard."""
+        self._collectives = ProcessGroupCollectives(self.group)
+        self._slabs: dict[int, Slab] = {}
+        self._offset = 0
+        self._offsets: dict[int, int] = {}
+        """Each module's place in the model-wide vector, which decides its share of k."""
+        self._record: PassRecord | None = None
+        self._agreed = False
+        self._shard: tuple[int, int] = (0, 1)
+        self._restored: dict[int, dict[str, Any]] | None = None
+
+    @property
+    def averages_densely(self) -> bool:
+        """Density 1, or the ``dense`` sparsifier: hybrid sharding's plain average."""
+        return self.density >= 1.0 or self.sparsifier == "dense"
+
+    def attach(self, model: nn.Module) -> None:
+        """Register the exchange on every FSDP module of ``model`` (see :func:`sparsify`)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise TypeError(
+                "model: none of its modules is sharded by FSDP2; call fully_shard(block, "
+                "mesh=mesh['shard']) on its blocks and fully_shard(model, mesh=mesh['shard']) "
+                "first, then microsparse.fsdp.sparsify(model, mesh['replicate'], ...)"
+            )
+        meshes = {p.device_mesh for m in units for p in m.parameters() if hasattr(p, "device_mesh")}
+        if any(mesh.ndim != 1 for mesh in meshes):
+            raise ValueError(
+                "model: fully_shard was given a 2-D mesh (hybrid sharding), which all-reduces "
+                "across replicas itself; shard over the shard dimension only, "
+                "fully_shard(module, mesh=mesh['shard']), and let sparsify average across "
+                "mesh['replicate']"
+            )
+        if len(meshes) != 1:
+            raise ValueError(f"model: its FSDP modules use {len(meshes)} meshes; use one")
+        shard = meshes.pop()
+        self._shard = (shard.get_local_rank(), shard.size())
+        force_sum = dist.get_backend(shard.get_group()) == "gloo"  # gloo has no ReduceOp.AVG
+        for number, unit in enumerate(units):
+            if force_sum:
+                unit.set_force_sum_reduction_for_comms(True)
+            unit.set_all_reduce_hook(functools.partial(self._average, number))
+
+    # ---- one FSDP module's shard, inside FSDP's hook ------------------------------------
+
+    def _average(self, number: int, shard: torch.Tensor) -> None:
+        record = self._record or self._begin_pass(shard.device)
+        slab = self._slabs.get(number) or self._new_slab(number, shard)
+        if slab.layout.numel != shard.numel():
+            raise RuntimeError(
+                f"FSDP module {number}'s gradient shard has {shard.numel()} entries, but "
+                f"{slab.layout.numel} when this state first met it; build a new state after "
+                "resharding the model"
+            )
+        output = FlatOutput(shard)
+        job = Job(slab, number, shard, output, [])
+        record.ran.append(job)
+        try:
+            report = run_blocking(slab.engine.run(self.step, shard, output), self._collectives)
+        except BaseException:
+            self._abandon(record)
+            raise
+        record.reports.append((job, report))
+
+    def _begin_pass(self, device: torch.device) -> PassRecord:
+        if not self._agreed:  # before any collective whose size the options decide
+            check_agreement(
+                self._collectives,
+                "the sparse FSDP state's options, or the shard this rank holds (replicate "
+                "must be the mesh dimension across which the shards are equal: "
+                "mesh['replicate'])",
+                [self.fingerprint(), *self._shard],
+                device,
+                self.described(),
+            )
+            self._agreed = True
+        record = self._record = PassRecord(self.step)
+        engine = torch.autograd.Variable._execution_engine
+
+        def after_backward() -> None:  # queued again: it runs after FSDP's own last callback
+            engine.queue_callback(lambda: self._end_pass(record))
+
+        engine.queue_callback(after_backward)
+        return record
+
+    def _end_pass(self, record: PassRecord) -> None:
+        if self._record is not record:  # abandoned
+            return
+        self._record = None
+        if record.reports:
+            self.last_step = record.stats(self.world_size)
+        self.step += 1
+
+    def _abandon(self, record: PassRecord) -> None:
+        """A module's step failed: the pass's sparsifiers as before it, the step not counted."""
+        for job in record.ran:
+            job.slab.engine.rollback()
+        self._record = None
+
+    def _new_slab(self, number: int, shard: torch.Tensor) -> Slab:
+        saved = None if self._restored is None else self._restored.get(number)
+        if self._restored is not None and saved is None:
+            raise ValueError(
+                f"load_state_dict: the checkpoint has no residual for FSDP module {number}; "
+                "restore into the same model, sharded the same way"
+            )
+        offset = self._offset if saved is None else int(saved["offset"])
+        # A stand-in of the shard's shape: the slab must not keep FSDP's gradient alive.
+        like = torch.empty((), dtype=shard.dtype, device=shard.device).expand(shard.shape)
+        slab = Slab([like], [number], self._make_sparsifier(), offset, self.rank,
+                    self.world_size, self.value_dtype, self.nonfinite)  # fmt: skip
+        self._offset = max(self._offset, offset + shard.numel())
+        self._offsets[number] = offset
+        if saved is not None:
+            if int(saved["numel"]) != shard.numel():
+                raise ValueError(
+                    f"load_state_dict: FSDP module {number}'s shard has {shard.numel()} entries "
+                    f"here but {saved['numel']} in the checkpoint; restore on the same mesh shape"
+                )
+            slab.feedback.residual.copy_(saved["residual"])
+            slab.sparsifier.load_state_dict(saved["sparsifier"])
+        self._slabs[number] = slab
+        return slab
+
+    def _make_sparsifier(self) -> Sparsifier:
+        if self.averages_densely:
+            return create_sparsifier("dense", 1.0)
+        return create_sparsifier(self.sparsifier, self.density, **self.options)
+
+    # ---- agreement and checkpoints --------------------------------------------------------
+
+    def described(self) -> dict[str, Any]:
+        """The options every replica must share, by name."""
+        return {
+            "sparsifier": self.sparsifier,
+            "density": self.density,
+            "options": sorted(self.options.items()),
+            "value_dtype": str(self.value_dtype),
+            "nonfinite": self.nonfinite,
+            "shard (this rank's place, shard size)": self._shard,
+        }
+
+    def fingerprint(self) -> int:
+        """A checksum of :meth:`described`, equal on every rank that may average with this one."""
+        return zlib.crc32(repr(self.described()).encode())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, every module's residual and sparsifier state (this rank's; save one per rank).
+
+        Example:
+            >>> torch.save(state.state_dict(), f"sparse-rank{dist.get_rank()}.pt")  # doctest: +SKIP
+        """
+        return {
+            "step": self.step,
+            "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(),
+            "config": self.described(),
+            "slabs": {
+                number: {
+                    "offset": self._offsets[number],
+                    "numel": slab.layout.numel,
+                    "residual": slab.feedback.residual.clone(),
+                    "sparsifier": slab.sparsifier.state_dict(),
+                }
+                for number, slab in self._slabs.items()
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved on this rank, before the first backward pass."""
+        if self._slabs or self.step:
+            raise RuntimeError(
+                "load_state_dict must be called before the first backward pass: build the "
+                "model, fully_shard it, call sparsify, then load the checkpoint and train"
+            )
+        saved = (state.get("rank"), state.get("world_size"))
+        here = (dist.get_rank(), dist.get_world_size())
+        if saved != here:
+            raise ValueError(
+                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
+                f"loaded on rank {here[0]} of {here[1]}; every rank must load its own state "
+                "(microsparse.EveryRank(state) carries all of them through one file)"
+            )
+        mine = self.described()
+        differing = [k for k in mine if k != "shard (this rank's place, shard size)"
+                     and state["config"].get(k) != mine[k]]  # fmt: skip
+        if differing:
+            raise ValueError(
+                "load_state_dict: the checkpoint was saved with other options: "
+                + "; ".join(f"{k} {state['config'].get(k)!r} there, {mine[k]!r} here"
+                            for k in differing)  # fmt: skip
+            )
+        self._restored = {int(k): v for k, v in state["slabs"].items()}
+        self.step = int(state["step"])
+
+
+def _replicate_group(replicate: Any) -> dist.ProcessGroup:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(replicate, DeviceMesh):
+        if replicate.ndim != 1:
+            raise ValueError(
+                f"replicate must be one dimension of the mesh, e.g. mesh['replicate']; got a "
+                f"{replicate.ndim}-D mesh"
+            )
+        return replicate.get_group()
+    if isinstance(replicate, dist.ProcessGroup):
+        return replicate
+    raise TypeError(
+        "replicate must be the replicate dimension of the device mesh (mesh['replicate']) or "
+        f"its ProcessGroup; got {type(replicate).__name__}"
+    )
