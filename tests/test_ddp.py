@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse.ddp as mddp
 from distributed import run_ranks
-from microsparse import GradientReducer, NonFiniteGradientError
+from microsparse import EveryRank, GradientReducer, NonFiniteGradientError
 
 
 def mlp() -> nn.Module:
@@ -398,6 +398,62 @@ def test_a_state_of_other_slabs_is_refused() -> None:
         mddp.SparseState("micro", 0.01, one_exchange=True).load_state_dict(
             mddp.SparseState("micro", 0.01).state_dict()
         )
+
+
+def restore_errors_worker(rank: int, n: int) -> dict:
+    """The two Accelerate mistakes: load_state() after training, a state saved on rank 0 only."""
+    model = mlp()
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = mddp.MicroState(density=0.05)
+    ddp.register_comm_hook(state, mddp.micro_hook)
+    train(ddp, range(2), rank, torch.optim.SGD(model.parameters(), lr=0.05))
+    messages = {}
+    try:  # save_state() then load_state() in the same run
+        state.load_state_dict(state.state_dict())
+    except RuntimeError as error:
+        messages["trained"] = str(error)
+    main_only = [state.state_dict()]  # what register_for_checkpointing(state) hands every rank
+    torch.distributed.broadcast_object_list(main_only, src=0)
+    fresh = mddp.MicroState(density=0.05)
+    DDP(mlp(), bucket_cap_mb=0.005).register_comm_hook(fresh, mddp.micro_hook)
+    try:  # before the first backward: refused at load time, not in rank 1's hook alone
+        fresh.load_state_dict(main_only[0])
+    except ValueError as error:
+        messages["state"] = str(error)
+    reducer = GradientReducer(mlp(), "micro", 0.05)
+    main_only = [reducer.state_dict()]
+    torch.distributed.broadcast_object_list(main_only, src=0)
+    try:
+        reducer.load_state_dict(main_only[0])
+    except ValueError as error:
+        messages["reducer"] = str(error)
+    # The advice works: EveryRank's file, as the main process saves it, restores every rank.
+    every_rank = [EveryRank(state).state_dict()]
+    torch.distributed.broadcast_object_list(every_rank, src=0)
+    EveryRank(fresh).load_state_dict(every_rank[0])
+    messages["restored step"] = fresh.step
+    return messages
+
+
+def test_a_restore_too_late_or_on_another_rank_says_what_to_do(tmp_path) -> None:
+    rank0, rank1 = run_ranks(restore_errors_worker, 2, tmp_path)
+    for messages in (rank0, rank1):
+        trained = messages["trained"]
+        assert trained.startswith("load_state_dict must be called before the first backward pass")
+        assert "with Accelerate: call accelerator.load_state() before the first step" in trained
+        assert "build a fresh model and state, register the hook on it, and load" in trained
+        assert messages["restored step"] == 2
+    assert "state" not in rank0 and "reducer" not in rank0  # rank 0's own state loads
+    for name in ("state", "reducer"):
+        message = rank1[name]
+        assert "saved by rank 0 of 2, but is loaded on rank 1 of 2" in message
+        assert f"register microsparse.EveryRank({name}) instead of the {name} itself" in message
+        assert f"accelerator.register_for_checkpointing(microsparse.EveryRank({name}))" in message
+
+
+def test_a_state_of_another_world_size_says_how_many_ranks() -> None:
+    with pytest.raises(ValueError, match="on rank 0 of 1; resume with 4 ranks, as it was saved"):
+        GradientReducer(nn.Linear(3, 2), "micro", 0.5).load_state_dict({"rank": 2, "world_size": 4})
 
 
 def half_worker(rank: int, n: int, dtype: torch.dtype) -> dict:

@@ -1,4 +1,12 @@
-"""PyTorch Lightning: ``Trainer(strategy=SparseDDPStrategy(density=0.001))``.
+"""Lightning: ``Trainer(strategy=SparseDDPStrategy(density=0.001))``, from either package.
+
+Lightning ships as two packages with the same code: ``lightning`` (imported as
+``lightning.pytorch``, the one Lightning recommends) and ``pytorch-lightning`` (imported as
+``pytorch_lightning``). A Trainer takes only strategies of its own package, so
+:class:`SparseDDPStrategy` becomes the strategy of the package your program imported: write the
+same line with either. If both are imported, it cannot tell which Trainer it is for and says
+so; then name the package with :data:`LightningSparseDDPStrategy` (``lightning.pytorch``) or
+:data:`PyTorchLightningSparseDDPStrategy` (``pytorch_lightning``).
 
 Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers a comm hook on CUDA only (on CPU
 no hook is ever called, silently), needs the hook's state before the process group exists, and
@@ -8,7 +16,18 @@ restores it on ``trainer.fit(ckpt_path=...)``, so a resumed run continues exactl
 GradScaler of ``precision="16-mixed"``, and logs the step statistics through the trainer's
 logger.
 
-Example::
+Example (``pip install lightning``)::
+
+    import lightning.pytorch as pl
+    from microsparse.lightning import SparseDDPStrategy
+
+    trainer = pl.Trainer(strategy=SparseDDPStrategy(density=0.001), devices=4)
+    trainer.fit(model)
+
+Example (``pip install pytorch-lightning``)::
+
+    import pytorch_lightning as pl
+    from microsparse.lightning import SparseDDPStrategy
 
     trainer = pl.Trainer(strategy=SparseDDPStrategy(density=0.001), devices=4)
     trainer.fit(model)
@@ -18,29 +37,48 @@ For manual optimisation with a ``GradientReducer`` instead, see docs/FRAMEWORKS.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import sys
 from typing import Any
-
-try:
-    from pytorch_lightning.strategies import DDPStrategy
-except ModuleNotFoundError as error:  # pragma: no cover - only without the extra
-    raise ModuleNotFoundError(
-        "microsparse.lightning needs PyTorch Lightning: pip install pytorch-lightning "
-        "(or microsparse[frameworks])"
-    ) from error
 
 import torch
 
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.ranks import EveryRank
 
+PACKAGES = {
+    "LightningSparseDDPStrategy": "lightning.pytorch",
+    "PyTorchLightningSparseDDPStrategy": "pytorch_lightning",
+}
+"""The strategy class for each Lightning package, by its name in this module."""
 CHECKPOINT_KEY = "microsparse"
 """Where every rank's hook state lives inside a Lightning checkpoint."""
 LOGGED = ("density", "ratio_error", "selected", "target", "bytes_sent", "traffic_ratio")
 """``StepStats`` fields logged as ``microsparse/<name>`` every ``log_every_n_steps``."""
 
 
-class SparseDDPStrategy(DDPStrategy):
+def _installed(package: str) -> bool:
+    # The top-level name only: finding "lightning.pytorch" would import all of Lightning.
+    return importlib.util.find_spec(package.split(".")[0]) is not None
+
+
+if not any(_installed(package) for package in PACKAGES.values()):
+    raise ModuleNotFoundError(
+        "microsparse.lightning needs Lightning: pip install microsparse[frameworks] "
+        "(or pip install lightning, or pytorch-lightning)"
+    )
+
+
+class SparseDDPStrategy:
     """DDP with microsparse's comm hook: any sparsifier, on CPU (gloo) and CUDA (NCCL).
+
+    ``SparseDDPStrategy(...)`` is the strategy of the Lightning package the program imported,
+    ``lightning.pytorch`` or ``pytorch_lightning`` (if neither yet, the one installed, preferring
+    ``lightning``): an instance of this class and of that package's ``DDPStrategy``. To subclass
+    it, or with both packages imported, use :data:`LightningSparseDDPStrategy` or
+    :data:`PyTorchLightningSparseDDPStrategy`, which take the same arguments.
 
     Args:
         density: fraction of the gradient entries sent per step.
@@ -54,6 +92,20 @@ class SparseDDPStrategy(DDPStrategy):
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
     """
+
+    lightning_package: str | None = None
+    """The Lightning package whose ``DDPStrategy`` this class extends (None: not chosen yet)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SparseDDPStrategy:
+        if cls is SparseDDPStrategy:
+            cls = _strategy_class(_package_in_use())
+        elif cls.lightning_package is None:
+            raise TypeError(
+                f"{cls.__name__} subclasses SparseDDPStrategy, which Lightning's Trainer does not "
+                "take as it is: subclass microsparse.lightning.LightningSparseDDPStrategy (for "
+                "lightning.pytorch) or PyTorchLightningSparseDDPStrategy (for pytorch_lightning)"
+            )
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -107,3 +159,44 @@ class SparseDDPStrategy(DDPStrategy):
         if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             values = {f"microsparse/{name}": float(getattr(stats, name)) for name in LOGGED}
             trainer.logger.log_metrics(values, step=trainer.global_step)
+
+
+def _package_in_use() -> str:
+    """The Lightning package this program imported, else the installed one."""
+    imported = [package for package in PACKAGES.values() if package in sys.modules]
+    if len(imported) > 1:
+        raise RuntimeError(
+            "SparseDDPStrategy: both lightning.pytorch and pytorch_lightning are imported, so "
+            "which Trainer it is for is unknown; use microsparse.lightning."
+            "LightningSparseDDPStrategy for lightning.pytorch's Trainer or "
+            "PyTorchLightningSparseDDPStrategy for pytorch_lightning's (same arguments)"
+        )
+    if imported:
+        return imported[0]
+    return next(package for package in PACKAGES.values() if _installed(package))
+
+
+@functools.cache
+def _strategy_class(package: str) -> type[SparseDDPStrategy]:
+    """:class:`SparseDDPStrategy` on ``package``'s ``DDPStrategy``, one class per package."""
+    name = next(name for name, known in PACKAGES.items() if known == package)
+    try:
+        strategies = importlib.import_module(f"{package}.strategies")
+    except ModuleNotFoundError as error:
+        install = "lightning" if package == "lightning.pytorch" else "pytorch-lightning"
+        raise ModuleNotFoundError(
+            f"microsparse.lightning.{name} needs {package}: pip install {install} "
+            "(or microsparse[frameworks])"
+        ) from error
+    # A module attribute under its own name (see __getattr__), so that its instances pickle,
+    # as Lightning's spawn launcher does.
+    namespace = {"__module__": __name__, "__doc__": SparseDDPStrategy.__doc__,
+                 "lightning_package": package}  # fmt: skip
+    return type(name, (SparseDDPStrategy, strategies.DDPStrategy), namespace)
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: importing Lightning takes seconds, and one package may be absent.
+    if name in PACKAGES:
+        return _strategy_class(PACKAGES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

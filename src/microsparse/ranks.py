@@ -70,3 +70,30 @@ class EveryRank:
                 f"loaded by {world_size}; resume with as many ranks"
             )
         self.stateful.load_state_dict(state["ranks"][rank])
+
+
+def check_saved_by(
+    saved: tuple[int | None, int | None], rank: int, world_size: int, name: str = "state"
+) -> None:
+    """Raise if a one-rank state saved by rank ``saved[0]`` of ``saved[1]`` is loaded elsewhere.
+
+    ``name`` is what the user calls the state in the advice (``"state"``, ``"reducer"``). A
+    state saved before it knew its rank (``saved[0]`` None) loads anywhere.
+    """
+    if saved[0] is None or saved == (rank, world_size):
+        return
+    where = (
+        f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is loaded "
+        f"on rank {rank} of {world_size}"
+    )
+    if saved[1] != world_size:
+        raise ValueError(f"{where}; resume with {saved[1]} ranks, as it was saved")
+    # The usual cause: Accelerate's register_for_checkpointing (or any framework that saves
+    # the main process's objects only) hands rank 0's state to every rank.
+    raise ValueError(
+        f"{where}; every rank must load its own state. A framework that saves the main "
+        f"process's objects only gives every rank rank 0's: register microsparse.EveryRank("
+        f"{name}) instead of the {name} itself, e.g. accelerator.register_for_checkpointing("
+        f"microsparse.EveryRank({name})), or save EveryRank({name}).state_dict() on every rank "
+        f"and load it with EveryRank({name}).load_state_dict(saved)"
+    )

@@ -22,6 +22,7 @@ from microsparse.engine import GradientOutput, SparseStep, StepReport, run_block
 from microsparse.engine.step import NonFinite, elapsed_seconds, scaler_scale
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
+from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import create_sparsifier, keywords_of
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import Pending, StepStats
@@ -279,12 +280,7 @@ class GradientReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state saved by :meth:`state_dict` on the same rank of the same setup."""
         saved = (state.get("rank", self.rank), state.get("world_size", self.world_size))
-        if saved != (self.rank, self.world_size):
-            raise ValueError(
-                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
-                f"loaded on rank {self.rank} of {self.world_size}; every rank must load its own "
-                "state (microsparse.EveryRank carries all of them through one file)"
-            )
+        check_saved_by(saved, self.rank, self.world_size, "reducer")
         if state.get("fingerprint") != self._fingerprint():
             raise ValueError(
                 "state was saved by a reducer with a different layout, sparsifier, density or "

@@ -4,19 +4,19 @@ Writes every rank's final parameters to OUT/params-rank{r}.pt and rank 0's hook 
 OUT/facts.json. Modes: ``sparse`` (SparseDDPStrategy, a checkpoint every 4 steps), ``resume``
 (the same, from OUT's step-4 checkpoint), ``plain`` (stock DDP), ``accumulate`` (2 batches per
 step), ``bf16`` (bf16-true precision), ``manual`` (manual optimisation with a GradientReducer)
-and ``manual-resume`` (the same, from the manual run's step-4 checkpoint).
+and ``manual-resume`` (the same, from the manual run's step-4 checkpoint). ``--package`` is the
+Lightning package the run imports, ``pytorch_lightning`` or ``lightning.pytorch``; the script
+imports no other, so ``SparseDDPStrategy`` is the strategy of that package.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +24,15 @@ from microsparse import EveryRank, GradientReducer
 from microsparse.lightning import SparseDDPStrategy
 
 STEPS = 8  # two epochs of 4 steps: 128 samples, 2 ranks, batches of 16
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--mode", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--package", default="pytorch_lightning")
+ARGS = parser.parse_args()
+pl = importlib.import_module(ARGS.package)  # before the LightningModule below subclasses it
+ModelCheckpoint = importlib.import_module(f"{ARGS.package}.callbacks").ModelCheckpoint
+CSVLogger = importlib.import_module(f"{ARGS.package}.loggers").CSVLogger
 
 
 class Net(pl.LightningModule):
@@ -74,11 +83,7 @@ def loader() -> DataLoader:
     return DataLoader(TensorDataset(inputs, labels), batch_size=16)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     strategy: object = SparseDDPStrategy(density=0.05)
     options: dict = {}
@@ -110,4 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

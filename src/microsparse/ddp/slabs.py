@@ -38,6 +38,16 @@ from microsparse.layout import Layout
 from microsparse.sparsifiers import Sparsifier
 from microsparse.sparsifiers.warmup import DensityWarmup
 
+RESTORE_AFTER_BACKWARD = (
+    "load_state_dict must be called before the first backward pass: this state has averaged "
+    "gradients already, and its residuals belong to that run. Restore right after building the "
+    "DDP model and registering the hook, before training (with Accelerate: call "
+    "accelerator.load_state() before the first step). To go back to a checkpoint later in a run, "
+    "build a fresh model and state, register the hook on it, and load into those"
+)
+"""The error of a restore into a state that has trained (Accelerate users meet it when they
+call ``save_state()`` and then ``load_state()`` in one run)."""
+
 
 def slab_target(density: float, offset: int, numel: int) -> int:
     """k_s of a slab of ``numel`` entries after ``offset`` entries of earlier slabs.
@@ -479,7 +489,7 @@ class Slabs:
     def restore(self, state: dict[str, object]) -> None:
         """Take a :meth:`state`; the parameters are matched in the order they are met."""
         if self.order:
-            raise RuntimeError("load_state_dict must be called before the first backward pass")
+            raise RuntimeError(RESTORE_AFTER_BACKWARD)
         definitions = [list(slab) for slab in state["slabs"]]  # type: ignore[attr-defined]
         slab_of = {index: number for number, slab in enumerate(definitions) for index in slab}
         saved = _Saved(list(state["residuals"]), definitions,  # type: ignore[call-overload]

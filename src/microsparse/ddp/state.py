@@ -16,11 +16,12 @@ from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
 from microsparse.comm.framing import Dense, Fixed, Padded
 from microsparse.ddp.choice import SpeedChoice, check_min_speedup
 from microsparse.ddp.ordering import OrderedLauncher
-from microsparse.ddp.slabs import Job, Slabs
+from microsparse.ddp.slabs import RESTORE_AFTER_BACKWARD, Job, Slabs
 from microsparse.engine import StepReport
 from microsparse.engine.step import NONFINITE, NonFinite
 from microsparse.feedback import check_adam, check_momentum
 from microsparse.layout import Layout
+from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
 from microsparse.sparsifiers.base import validate_density
 from microsparse.sparsifiers.warmup import DensityWarmup
@@ -211,7 +212,7 @@ class SparseState:
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         rank, world_size = dist.get_rank(group), len(ranks)
         if self._pending is not None:
-            self._check_saved_by(self._pending, rank, world_size)
+            _check_saved_by(self._pending, rank, world_size)
         probe = self._make_sparsifier()
         probe.bind(_probe_layout(), rank, world_size)
         rounds = _rounds(probe, warmup=self.density_warmup is not None)
@@ -334,23 +335,17 @@ class SparseState:
             )
         if self._binding is not None:
             if self._binding.slabs.order:
-                raise RuntimeError("load_state_dict must be called before the first backward pass")
-            self._check_saved_by(state, self._binding.rank, self._binding.world_size)
+                raise RuntimeError(RESTORE_AFTER_BACKWARD)
+            _check_saved_by(state, self._binding.rank, self._binding.world_size)
             self._binding.slabs.restore(state["slabs"])
         else:
+            if dist.is_available() and dist.is_initialized():  # now, not in rank 1's hook only
+                group = self.process_group
+                _check_saved_by(state, dist.get_rank(group), dist.get_world_size(group))
             self._pending = state
         self.step = int(state["step"])
         if self.speed is not None:
             self.speed.load_state_dict(state.get("speed", {}))
-
-    @staticmethod
-    def _check_saved_by(state: dict[str, Any], rank: int, world_size: int) -> None:
-        saved = (state.get("rank"), state.get("world_size"))
-        if saved[0] is not None and saved != (rank, world_size):
-            raise ValueError(
-                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
-                f"loaded on rank {rank} of {world_size}; every rank must load its own state"
-            )
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -417,6 +412,10 @@ class MicroState(SparseState):
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)
+
+
+def _check_saved_by(state: dict[str, Any], rank: int, world_size: int) -> None:
+    check_saved_by((state.get("rank"), state.get("world_size")), rank, world_size)
 
 
 @dataclass
