@@ -16,6 +16,7 @@ from microsparse.ddp.slabs import Job, Slab
 from microsparse.ddp.state import VALUE_DTYPES, PassRecord
 from microsparse.engine import FlatOutput
 from microsparse.engine.step import NONFINITE, NonFinite, run_blocking
+from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
 from microsparse.sparsifiers.base import validate_density
 from microsparse.stats import StepStats
@@ -283,14 +284,8 @@ class ShardedState:
                 "load_state_dict must be called before the first backward pass: build the "
                 "model, fully_shard it, call sparsify, then load the checkpoint and train"
             )
-        saved = (state.get("rank"), state.get("world_size"))
-        here = (dist.get_rank(), dist.get_world_size())
-        if saved != here:
-            raise ValueError(
-                f"load_state_dict: this state was saved by rank {saved[0]} of {saved[1]}, but is "
-                f"loaded on rank {here[0]} of {here[1]}; every rank must load its own state "
-                "(microsparse.EveryRank(state) carries all of them through one file)"
-            )
+        check_saved_by((state.get("rank"), state.get("world_size")), dist.get_rank(),
+                       dist.get_world_size())  # fmt: skip
         mine = self.described()
         differing = [k for k in mine if k != "shard (this rank's place, shard size)"
                      and state["config"].get(k) != mine[k]]  # fmt: skip
