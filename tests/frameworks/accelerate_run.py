@@ -23,6 +23,15 @@ from microsparse import EveryRank, GradientReducer
 STEPS, SAVE_AT = 8, 4
 
 
+def _refuse_dense(state: object, bucket: object) -> None:
+    raise AssertionError("DDP averaged a bucket densely beside the reducer")
+
+
+# DDP checks a hook's annotations as objects (this file's are strings).
+_refuse_dense.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", required=True)
@@ -47,6 +56,7 @@ def main() -> None:
     elif mode.startswith("reducer"):
         reducer = GradientReducer(model.module, "micro", 0.05)
         accelerator.register_for_checkpointing(EveryRank(reducer))
+        model.register_comm_hook(None, _refuse_dense)
     first = 0
     if mode.endswith("-resume"):
         accelerator.load_state(str(out.parent / mode.replace("-resume", "") / "state"))
@@ -58,11 +68,13 @@ def main() -> None:
         for _ in range(accumulation):
             inputs, labels = next(batches)
             with accelerator.accumulate(model):
-                loss = nn.functional.cross_entropy(model(inputs), labels)
                 if reducer is None:
-                    accelerator.backward(loss)
+                    accelerator.backward(nn.functional.cross_entropy(model(inputs), labels))
                 else:
-                    with accelerator.no_sync(model):  # DDP must not average: the reducer does
+                    # DDP must not average, the reducer does; DDP decides that in the forward
+                    # pass, so the forward pass too runs inside no_sync.
+                    with accelerator.no_sync(model):
+                        loss = nn.functional.cross_entropy(model(inputs), labels)
                         accelerator.backward(loss)
                     reducer.synchronize()
                 optimizer.step()
