@@ -162,7 +162,11 @@ def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["min_speedup"]["choice"] == "dense"
     assert len(summary["min_speedup"]["medians"]) == 2  # a row per rank: sparse, dense
-    assert summary["dense_steps"] == 6 + 3
+    assert summary["dense_steps"] == 6 + 3 and summary["sparse_steps"] == 23 - 9
+    # Quotas select k entries a sparse step; the dense steps, K = d, are no selection error.
+    assert summary["ratio_error_mean"] < 0.01 and summary["ratio_error_mean_after_warmup"] < 0.01
+    assert summary["selected_over_target_mean"] == pytest.approx(1, abs=0.01)
+    assert "|K/k - 1| of the sparse steps (9 dense ones left out): 0.0" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dense = [r["step"] for r in records if r.get("averaging") == "dense"]
     assert dense == [9, 11, 13, 15, 17, 19, 20, 21, 22]

@@ -141,8 +141,12 @@ def summarize(
 ) -> dict[str, Any]:
     """The run's headline numbers from its step and epoch records (see ``summary.json``).
 
-    Timings are rank 0's. The first half of the steps counts as warm-up for the compression
-    ratio error, because the threshold controller moves by at most 0.5 % per step.
+    Timings are rank 0's. The compression ratio error (``ratio_error_mean*``, |K/k - 1|) and
+    ``selected_over_target_mean`` count only the sparse steps (``sparse_steps`` of them): a step
+    the DDP hook averaged densely (``dense_steps``, ``min_speedup``'s) sends every entry on
+    purpose, which is no error of the selection; they are None when no step was sparse. The
+    first half of the steps counts as warm-up for the ratio error, because the threshold
+    controller moves by at most 0.5 % per step.
 
     Example:
         >>> summary = summarize(config, metrics, records, epochs, 60.0)  # doctest: +SKIP
@@ -150,7 +154,9 @@ def summarize(
     """
     steps = len(records)  # at least 1: train() runs at least one step
     warmup = steps // 2
-    errors = [r["ratio_error"] for r in records]
+    sparse = [r for r in records if r.get("averaging") != "dense"]
+    errors = [r["ratio_error"] for r in sparse]
+    errors_after_warmup = [r["ratio_error"] for r in sparse if r["step"] >= records[warmup]["step"]]
     step_total = math.fsum(r["step_seconds"] for r in records)
     totals = {
         part: math.fsum(r[f"{part}_seconds"] for r in records)
@@ -180,10 +186,12 @@ def summarize(
         "steps": steps,
         "epochs": len(epochs),
         "final_loss": records[-1]["loss"],
-        "ratio_error_mean": fmean(errors),
-        "ratio_error_mean_after_warmup": fmean(errors[warmup:]),
+        # Over the sparse steps only (see above).
+        "ratio_error_mean": _mean(errors),
+        "ratio_error_mean_after_warmup": _mean(errors_after_warmup),
         "after_warmup_steps": [warmup, steps - 1],
-        "selected_over_target_mean": fmean(r["selected"] / r["target"] for r in records),
+        "selected_over_target_mean": _mean([r["selected"] / r["target"] for r in sparse]),
+        "sparse_steps": len(sparse),
         # K/d over the whole run, a density warm-up included.
         "mean_density": fmean(r["selected"] / r["numel"] for r in records),
         # Steps the hook averaged densely (min_speedup's probe, and its choice if dense).
@@ -198,7 +206,6 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
     """A few human-readable lines for the end of a run."""
     config, per_step = summary["config"], summary["seconds_per_step"]
     traffic = summary["traffic_ratio"]
-    first, last = summary["after_warmup_steps"]
     shown = ", ".join(f"{_label(name)} {value:.4f}" for name, value in summary["metrics"].items())
     hook = config.get("ddp_hook", "microsparse")
     method = (
@@ -211,8 +218,7 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"{config['integration']} integration: {summary['steps']} steps in "
         f"{summary['seconds']['wall']:.1f} s",
         f"  {shown}, final loss {summary['final_loss']:.4f}",
-        f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
-        f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
+        _ratio_error_line(summary),
         f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
         "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
         *([_speed_line(summary)] if config.get("min_speedup") is not None else []),
@@ -224,6 +230,30 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"  wrote {out}/summary.json, metrics.jsonl, epochs.jsonl",
     ]
     return "\n".join(lines)
+
+
+def _ratio_error_line(summary: dict[str, Any]) -> str:
+    """The compression ratio error of the sparse steps, all of them and after the warm-up.
+
+    Example:
+        >>> print(_ratio_error_line({"ratio_error_mean": 0.01, "dense_steps": 9,
+        ...       "ratio_error_mean_after_warmup": None, "after_warmup_steps": [10, 19]}))
+          |K/k - 1| of the sparse steps (9 dense ones left out): 0.010 over all, n/a over steps 10-19
+    """  # noqa: E501
+    first, last = summary["after_warmup_steps"]
+    means = [summary["ratio_error_mean"], summary["ratio_error_mean_after_warmup"]]
+    every, later = ("n/a" if mean is None else f"{mean:.3f}" for mean in means)
+    dense = summary.get("dense_steps", 0)
+    if not dense:
+        return f"  |K/k - 1|: {every} over all steps, {later} over steps {first}-{last}"
+    return (
+        f"  |K/k - 1| of the sparse steps ({dense} dense ones left out): {every} over all, "
+        f"{later} over steps {first}-{last}"
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return fmean(values) if values else None
 
 
 def _speed_line(summary: dict[str, Any]) -> str:
