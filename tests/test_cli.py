@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,6 +36,10 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
         text=True,
         timeout=timeout,
     )
+
+
+TINY_RUN = ("train", "--workers", "2", "--no-progress")
+"""A real two-worker run of the default task; add --max-steps and --out or --resume."""
 
 
 @pytest.mark.parametrize("integration", ["loop", "ddp", "ddp --one-exchange"])
@@ -355,3 +362,99 @@ def test_resume_refuses_other_worker_counts_and_changed_options(capsys, tmp_path
             main(["train", "--resume", *args])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_users_file_in_the_checkpoint_folder_is_refused_and_kept(tmp_path):
+    """A folder named checkpoint that the user filled is not taken for an empty checkpoint
+    (which the first save would replace, deleting the file)."""
+    mine = tmp_path / "run" / "checkpoint" / "my_model.pt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("x")
+    for where in (["--resume", str(tmp_path / "run")], ["--out", str(tmp_path / "run")]):
+        result = run_cli(*TINY_RUN, "--max-steps", "2", "--checkpoint-every", "1", *where)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"argument {where[0]}: {mine} was not written by microsparse" in result.stderr
+        assert f"move my_model.pt elsewhere, or choose another {where[0]}" in result.stderr
+        assert "starting a fresh run" not in result.stderr
+        assert mine.read_text() == "x"
+        assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == ["checkpoint", mine.name]
+
+
+def test_a_users_run_file_in_the_out_folder_is_refused_and_kept(capsys, tmp_path):
+    mine = tmp_path / "out" / "metrics.jsonl"
+    mine.parent.mkdir()
+    mine.write_text("my own metrics\n")
+    for flags in ([], ["--overwrite"]):  # not even --overwrite: the file is not microsparse's
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY_RUN, "--max-steps", "2", "--out", str(mine.parent), *flags])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert f"argument --out: {mine} was not written by microsparse" in error
+        assert "choose another --out directory" in error
+        assert mine.read_text() == "my own metrics\n"
+        assert [p.name for p in mine.parent.iterdir()] == ["metrics.jsonl"]  # nothing written
+
+
+def test_a_finished_run_is_replaced_only_with_overwrite(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(*TINY_RUN, "--max-steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    notes = out / "notes.txt"  # the user's own file, next to the run's
+    notes.write_text("keep me")
+    summary = (out / "summary.json").read_bytes()
+    refused = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert (
+        f"argument --out: {out} holds a finished run ({out / 'summary.json'}): add --overwrite "
+        "to replace it, or choose another --out directory"
+    ) in refused.stderr
+    assert (out / "summary.json").read_bytes() == summary
+    replaced = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"replacing the earlier run in {out}" in replaced.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # The old run's checkpoint is gone with it: --resume cannot mix it with the new files.
+    assert not (out / "checkpoint").exists()
+    assert notes.read_text() == "keep me"
+
+
+def test_an_interrupted_run_continues_with_resume_only(tmp_path):
+    """A real run killed after its first checkpoints: a fresh --out there is refused (it
+    names --resume), and --resume continues it to the end."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "microsparse", *TINY_RUN, "--max-steps", "1000"]
+    command += ["--checkpoint-every", "2", "--resume", str(out)]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint" / "meta.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the launcher and its workers, at once
+        run.wait()
+    step = json.loads((out / "checkpoint" / "meta.json").read_text())["step"]
+    assert step >= 2 and not (out / "summary.json").exists()
+    refused = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out))
+    assert refused.returncode == 2
+    assert f"unfinished run with a checkpoint ({out / 'checkpoint'}): continue it with " \
+        f"--resume {out}, or add --overwrite" in refused.stderr  # fmt: skip
+    result = run_cli(*TINY_RUN, "--max-steps", str(step + 2), "--resume", str(out))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(step + 2))
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
+
+
+def test_earlier_captured_gradients_are_replaced_only_with_overwrite(capsys, tmp_path):
+    grads = tmp_path / "grads"
+    grads.mkdir()
+    (grads / "layout.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY_RUN, "--out", str(tmp_path / "run"), "--capture-gradients", str(grads)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument --capture-gradients: {grads} already holds captured gradients" in error
+    assert "add --overwrite" in error and not (tmp_path / "run").exists()

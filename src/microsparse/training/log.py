@@ -13,8 +13,9 @@ from typing import Any
 from tqdm import tqdm
 
 from microsparse.stats import StepStats
-from microsparse.training.checkpoint import Position
+from microsparse.training.checkpoint import Position, remove_checkpoints
 from microsparse.training.config import TrainConfig
+from microsparse.training.rundir import claim
 from microsparse.training.tasks import Metric
 
 
@@ -22,7 +23,10 @@ class RunLog:
     """One JSON line per step and per epoch, flushed as they come, and the summary at the end.
 
     When resuming from ``position``, the files keep the records before it (steps before
-    ``position.step``, epochs before ``position.epoch``) and continue from there.
+    ``position.step``, epochs before ``position.epoch``) and continue from there; otherwise an
+    earlier run's files in ``config.out`` are replaced, its checkpoints deleted. Raises
+    :class:`~microsparse.training.rundir.ForeignFileError` before writing anything if a file
+    it would replace is not microsparse's.
     """
 
     def __init__(
@@ -37,6 +41,9 @@ class RunLog:
         self.out = Path(config.out)
         self.records: list[dict[str, Any]] = []
         self.epochs: list[dict[str, Any]] = []
+        claim(self.out)  # from here on, every run file in it is microsparse's
+        if position is None:  # a later --resume would take an earlier run's checkpoint
+            remove_checkpoints(self.out)
         for stale in ("summary.json", "error.log"):  # left by an earlier run into this directory
             (self.out / stale).unlink(missing_ok=True)
         if position is not None:
