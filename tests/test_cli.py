@@ -458,3 +458,30 @@ def test_earlier_captured_gradients_are_replaced_only_with_overwrite(capsys, tmp
     error = capsys.readouterr().err
     assert f"argument --capture-gradients: {grads} already holds captured gradients" in error
     assert "add --overwrite" in error and not (tmp_path / "run").exists()
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
+    """``microsparse ... | head``: train goes on to write its run, report stops; neither
+    prints a traceback."""
+    out = tmp_path / "run"
+
+    def closed_stdout(*args: str) -> tuple[int, str]:
+        command = [sys.executable, "-m", "microsparse", *args]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(command, **pipes)
+        process.stdout.close()  # long before the command prints: the reader has gone
+        _, stderr = process.communicate(timeout=120)
+        return process.returncode, stderr
+
+    code, stderr = closed_stdout(*TINY_RUN, "--max-steps", "2", "--out", str(out))
+    assert code == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    code, stderr = closed_stdout("report", str(out), "--no-plots")
+    assert (code, stderr) == (141, "")  # 128 + SIGPIPE, as a shell reports `| head`'s writer
+
+
+def test_hookstep_prints_its_help():
+    result = subprocess.run([sys.executable, "-m", "microsparse.bench.hookstep", "--help"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m microsparse.bench.hookstep [-h] [ranks] [steps]" in result.stdout

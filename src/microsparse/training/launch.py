@@ -146,8 +146,11 @@ def leave_process(code: int) -> None:
     thread lock (:func:`_run_rank`), as a multiprocessing one would be left to the resource
     tracker, which warns of a leaked semaphore.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # its reader has gone (`| head`): nothing left to tell it
+            pass
     os._exit(code)
 
 

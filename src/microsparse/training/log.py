@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -115,7 +117,7 @@ class RunLog:
         self._epoch_file.write(json.dumps(_json_safe(record)) + "\n")
         shown = ", ".join(f"{_label(name)} {values[name]:.4f}" for name in _names(self.metrics))
         train_loss = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
-        tqdm.write(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
+        say(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
 
     def finish(
         self,
@@ -136,7 +138,7 @@ class RunLog:
         if speed_choice is not None:
             summary["min_speedup"] = speed_choice
         (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
-        print(format_summary(summary, self.out))
+        say(format_summary(summary, self.out))
 
 
 def summarize(
@@ -282,6 +284,24 @@ def _speed_line(summary: dict[str, Any]) -> str:
         sparse, dense = (1000 * sum(row[i] for row in medians) for i in (0, 1))
         line += f" (median step, summed over ranks: sparse {sparse:.1f} ms, dense {dense:.1f} ms)"
     return line + f"; {summary['dense_steps']} of {summary['steps']} steps averaged densely"
+
+
+def say(text: str) -> None:
+    """Print a line of the run's report (clear of the progress bar); once stdout's reader has
+    gone (``| head``), go on without printing: the run's files are its output."""
+    try:
+        tqdm.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+
+
+def silence_stdout() -> None:
+    """Point stdout at the null device, so that what is still buffered or written later is
+    dropped instead of raising BrokenPipeError again (at exit, too)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _names(metrics: tuple[Metric, ...]) -> list[str]:
