@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,6 +36,10 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
         text=True,
         timeout=timeout,
     )
+
+
+TINY_RUN = ("train", "--workers", "2", "--no-progress")
+"""A real two-worker run of the default task; add --max-steps and --out or --resume."""
 
 
 @pytest.mark.parametrize("integration", ["loop", "ddp", "ddp --one-exchange"])
@@ -162,7 +169,11 @@ def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["min_speedup"]["choice"] == "dense"
     assert len(summary["min_speedup"]["medians"]) == 2  # a row per rank: sparse, dense
-    assert summary["dense_steps"] == 6 + 3
+    assert summary["dense_steps"] == 6 + 3 and summary["sparse_steps"] == 23 - 9
+    # Quotas select k entries a sparse step; the dense steps, K = d, are no selection error.
+    assert summary["ratio_error_mean"] < 0.01 and summary["ratio_error_mean_after_warmup"] < 0.01
+    assert summary["selected_over_target_mean"] == pytest.approx(1, abs=0.01)
+    assert "|K/k - 1| of the sparse steps (9 dense ones left out): 0.0" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     dense = [r["step"] for r in records if r.get("averaging") == "dense"]
     assert dense == [9, 11, 13, 15, 17, 19, 20, 21, 22]
@@ -351,3 +362,126 @@ def test_resume_refuses_other_worker_counts_and_changed_options(capsys, tmp_path
             main(["train", "--resume", *args])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_users_file_in_the_checkpoint_folder_is_refused_and_kept(tmp_path):
+    """A folder named checkpoint that the user filled is not taken for an empty checkpoint
+    (which the first save would replace, deleting the file)."""
+    mine = tmp_path / "run" / "checkpoint" / "my_model.pt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("x")
+    for where in (["--resume", str(tmp_path / "run")], ["--out", str(tmp_path / "run")]):
+        result = run_cli(*TINY_RUN, "--max-steps", "2", "--checkpoint-every", "1", *where)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"argument {where[0]}: {mine} was not written by microsparse" in result.stderr
+        assert f"move my_model.pt elsewhere, or choose another {where[0]}" in result.stderr
+        assert "starting a fresh run" not in result.stderr
+        assert mine.read_text() == "x"
+        assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == ["checkpoint", mine.name]
+
+
+def test_a_users_run_file_in_the_out_folder_is_refused_and_kept(capsys, tmp_path):
+    mine = tmp_path / "out" / "metrics.jsonl"
+    mine.parent.mkdir()
+    mine.write_text("my own metrics\n")
+    for flags in ([], ["--overwrite"]):  # not even --overwrite: the file is not microsparse's
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY_RUN, "--max-steps", "2", "--out", str(mine.parent), *flags])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert f"argument --out: {mine} was not written by microsparse" in error
+        assert "choose another --out directory" in error
+        assert mine.read_text() == "my own metrics\n"
+        assert [p.name for p in mine.parent.iterdir()] == ["metrics.jsonl"]  # nothing written
+
+
+def test_a_finished_run_is_replaced_only_with_overwrite(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(*TINY_RUN, "--max-steps", "2", "--checkpoint-every", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    notes = out / "notes.txt"  # the user's own file, next to the run's
+    notes.write_text("keep me")
+    summary = (out / "summary.json").read_bytes()
+    refused = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert (
+        f"argument --out: {out} holds a finished run ({out / 'summary.json'}): add --overwrite "
+        "to replace it, or choose another --out directory"
+    ) in refused.stderr
+    assert (out / "summary.json").read_bytes() == summary
+    replaced = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out), "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert f"replacing the earlier run in {out}" in replaced.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # The old run's checkpoint is gone with it: --resume cannot mix it with the new files.
+    assert not (out / "checkpoint").exists()
+    assert notes.read_text() == "keep me"
+
+
+def test_an_interrupted_run_continues_with_resume_only(tmp_path):
+    """A real run killed after its first checkpoints: a fresh --out there is refused (it
+    names --resume), and --resume continues it to the end."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "microsparse", *TINY_RUN, "--max-steps", "1000"]
+    command += ["--checkpoint-every", "2", "--resume", str(out)]
+    run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint" / "meta.json").is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)  # the launcher and its workers, at once
+        run.wait()
+    step = json.loads((out / "checkpoint" / "meta.json").read_text())["step"]
+    assert step >= 2 and not (out / "summary.json").exists()
+    refused = run_cli(*TINY_RUN, "--max-steps", "3", "--out", str(out))
+    assert refused.returncode == 2
+    assert f"unfinished run with a checkpoint ({out / 'checkpoint'}): continue it with " \
+        f"--resume {out}, or add --overwrite" in refused.stderr  # fmt: skip
+    result = run_cli(*TINY_RUN, "--max-steps", str(step + 2), "--resume", str(out))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(step + 2))
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 2
+
+
+def test_earlier_captured_gradients_are_replaced_only_with_overwrite(capsys, tmp_path):
+    grads = tmp_path / "grads"
+    grads.mkdir()
+    (grads / "layout.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY_RUN, "--out", str(tmp_path / "run"), "--capture-gradients", str(grads)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"argument --capture-gradients: {grads} already holds captured gradients" in error
+    assert "add --overwrite" in error and not (tmp_path / "run").exists()
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
+    """``microsparse ... | head``: train goes on to write its run, report stops; neither
+    prints a traceback."""
+    out = tmp_path / "run"
+
+    def closed_stdout(*args: str) -> tuple[int, str]:
+        command = [sys.executable, "-m", "microsparse", *args]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(command, **pipes)
+        process.stdout.close()  # long before the command prints: the reader has gone
+        _, stderr = process.communicate(timeout=120)
+        return process.returncode, stderr
+
+    code, stderr = closed_stdout(*TINY_RUN, "--max-steps", "2", "--out", str(out))
+    assert code == 0 and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+    code, stderr = closed_stdout("report", str(out), "--no-plots")
+    assert (code, stderr) == (141, "")  # 128 + SIGPIPE, as a shell reports `| head`'s writer
+
+
+def test_hookstep_prints_its_help():
+    result = subprocess.run([sys.executable, "-m", "microsparse.bench.hookstep", "--help"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m microsparse.bench.hookstep [-h] [ranks] [steps]" in result.stdout

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from microsparse.training import TrainConfig, train
+from microsparse.training import TrainConfig, checkpoint, train
 from microsparse.training.checkpoint import read_meta
 from microsparse.training.config import resume_config
+from microsparse.training.rundir import MARKER, ForeignFileError, claim
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 # LSTM: dropout (RNG) and a hidden state carried across steps; interrupted mid-epoch.
@@ -117,3 +118,29 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(root, name):
     assert ranks == ["rank0.pt", "rank1.pt"]
     meta = json.loads((parts / "checkpoint" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["step"] == summary["steps"]
+
+
+def test_saving_never_deletes_a_users_file_in_a_checkpoint_folder(tmp_path):
+    """The guards under the command line's check: a checkpoint folder is deleted only when it
+    holds nothing but checkpoint files, and a run claims only a directory without a user's
+    run file."""
+    for name in ("checkpoint", "checkpoint.new"):
+        (tmp_path / name).mkdir()
+        torch.save({}, tmp_path / name / "shared.pt")
+        (tmp_path / name / "meta.json").write_text("{}")
+    mine = tmp_path / "checkpoint" / "notes.txt"
+    mine.write_text("mine")
+    with pytest.raises(ForeignFileError, match=f"{mine} was not written by microsparse"):
+        checkpoint.swap_in(tmp_path / "checkpoint")
+    with pytest.raises(ForeignFileError, match="move notes.txt elsewhere"):
+        checkpoint.remove_checkpoints(tmp_path)
+    assert mine.read_text() == "mine" and (tmp_path / "checkpoint.new" / "shared.pt").exists()
+    mine.unlink()
+    checkpoint.remove_checkpoints(tmp_path)  # only checkpoint files: deleted
+    assert sorted(path.name for path in tmp_path.iterdir()) == []
+    (tmp_path / "summary.json").write_text("theirs")
+    with pytest.raises(ForeignFileError, match=f"has no {MARKER} marker"):
+        claim(tmp_path)
+    (tmp_path / "summary.json").unlink()
+    claim(tmp_path)
+    assert (tmp_path / MARKER).is_file()

@@ -14,6 +14,7 @@ Run: ``OMP_NUM_THREADS=1 python -m microsparse.bench.hookstep [RANKS] [STEPS]`` 
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from microsparse.cli import arguments
 
 FLOOR = "floor"
 CONFIGS: dict[str, tuple[object, bool]] = {  # name: (the hook's options, or None, or FLOOR; views)
@@ -76,11 +79,20 @@ def _worker(rank: int, ranks: int, init: str, steps: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    ranks = int(argv[0]) if argv else 2
-    steps = int(argv[1]) if len(argv) > 1 else 20
+    """Parse ``[RANKS] [STEPS]`` (``--help`` describes them), run the ranks and print the
+    medians."""
+    parser = argparse.ArgumentParser(
+        prog="python -m microsparse.bench.hookstep", description=(__doc__ or "").split("\n\n")[0]
+    )
+    add = parser.add_argument
+    add("ranks", nargs="?", type=arguments.positive_int, default=2,
+        help="gloo ranks on this machine (default: %(default)s)")  # fmt: skip
+    add("steps", nargs="?", type=arguments.positive_int, default=20,
+        help=f"timed steps after {WARMUP} warm-up steps (default: %(default)s)")  # fmt: skip
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         init = os.path.join(directory, "init")
-        mp.spawn(_worker, args=(ranks, init, steps), nprocs=ranks)
+        mp.spawn(_worker, args=(args.ranks, init, args.steps), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from microsparse.cli import bench, compare, report, simulate, train
 from microsparse.training.launch import leave_process, torchrun_env
+from microsparse.training.log import silence_stdout
 
 COMMANDS = [train, compare, report, simulate, bench]
 """Modules with ``add_parser(commands)``; the parser they add sets ``run(args, parser)``."""
@@ -35,9 +36,17 @@ def entry() -> NoReturn:
 
     Under torchrun this process was a rank and ran a gloo process group itself; it ends
     without the interpreter's teardown, which can abort a worker that had finished
-    (:func:`~microsparse.training.launch.leave_process`).
+    (:func:`~microsparse.training.launch.leave_process`). When stdout's reader goes away
+    (``| head``), it stops quietly as Unix tools do, with the exit code of SIGPIPE.
     """
-    code = main()
+    try:
+        try:
+            code = main()
+        finally:  # --help's SystemExit too: flushed here, a closed pipe is caught below
+            sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()  # for what is still buffered, at exit
+        code = 141  # 128 + SIGPIPE: what a shell reports for a tool that SIGPIPE ended
     if torchrun_env() is not None:
         leave_process(code)
     sys.exit(code)

@@ -34,6 +34,7 @@ from microsparse.training.config import (
 from microsparse.training.data import DataFormatError, MissingDataError
 from microsparse.training.launch import WorkerError, launch, torchrun_env
 from microsparse.training.loop import steps_in_epoch
+from microsparse.training.rundir import ForeignFileError, claim, earlier_run, refusal
 from microsparse.training.tasks import Task, available_tasks, get_task
 
 DEFAULT_WORKERS = 4
@@ -237,6 +238,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "a fresh run in DIR (so one command line serves the first start and every restart)",
     )
     add(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in the directory that finished or has a checkpoint "
+        "(its files and checkpoint; a file microsparse did not write is never replaced)",
+    )
+    add(
         "--capture-gradients",
         metavar="DIR",
         help="save every rank's local flat gradient of the first --capture-steps steps "
@@ -266,15 +273,20 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     local_workers = workers if env is None else env.local_world_size
     device = _resolve_device(args.device, local_workers, parser)
     config = replace(config, device=device)
+    writes = env is None or env.rank == 0  # only rank 0 writes
+    if writes:
+        _check_out(config, args, parser)
     from_file = set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
     data = _check_before_spawning(config, workers, parser, from_file, args.config)
-    if env is None or env.rank == 0:  # only rank 0 writes
+    if writes:
         try:
-            Path(config.out).mkdir(parents=True, exist_ok=True)
+            claim(config.out)
         except OSError as error:
             parser.error(
                 f"argument --out: cannot create directory {config.out!r}: {error.strerror}"
             )
+        except ForeignFileError as error:  # put there since _check_out looked
+            parser.error(f"argument --out: {error}")
     try:
         launch(config, workers, data)
     except WorkerError as error:
@@ -306,10 +318,6 @@ def _config(
                 return config.resolved(), int(meta["world_size"])
             # The same command line serves the first start and every restart (torchrun
             # --max-restarts): with nothing to resume yet, the run starts in that directory.
-            env = torchrun_env()
-            if env is None or env.rank == 0:
-                print(f"{parser.prog}: no checkpoint in {args.resume} yet: starting a fresh "
-                      "run there", file=sys.stderr)  # fmt: skip
             given["out"] = args.resume
         values = config_from_file(args.config) if args.config else {}
         values.update(given)
@@ -323,6 +331,38 @@ def _config(
     except ConfigError as error:
         option = _OPTION_OF.get(error.field, "--" + error.field.replace("_", "-"))
         parser.error(f"argument {option}: {error.message}")
+
+
+def _check_out(
+    config: TrainConfig, args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> None:
+    """Refuse, before any file is touched, to start where the run would replace what it may
+    not: a user's file, or without --overwrite an earlier run that finished or can continue."""
+    option = "--out" if args.resume is None else "--resume"
+    problem = refusal(config.out, option, args.resume is not None, args.overwrite)
+    if problem is not None:
+        parser.error(f"argument {option}: {problem}")
+    if config.resume:
+        return  # its captured gradients, if any, are this run's
+    if config.capture_gradients:
+        _check_capture(Path(config.capture_gradients), args.overwrite, parser)
+    if args.resume is not None:
+        print(f"{parser.prog}: no checkpoint in {args.resume} yet: starting a fresh run there",
+              file=sys.stderr)  # fmt: skip
+    elif earlier_run(config.out) is not None:
+        print(f"{parser.prog}: replacing the earlier run in {config.out}", file=sys.stderr)
+
+
+def _check_capture(directory: Path, overwrite: bool, parser: argparse.ArgumentParser) -> None:
+    """Earlier captured gradients are replaced only with --overwrite."""
+    layout = directory / "layout.json"
+    captured = layout if layout.exists() else next(directory.glob("grad-rank*-step*.pt"), None)
+    if captured is not None and not overwrite:
+        parser.error(
+            f"argument --capture-gradients: {directory} already holds captured gradients "
+            f"({captured}): add --overwrite to replace them, or choose another "
+            "--capture-gradients directory"
+        )
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:

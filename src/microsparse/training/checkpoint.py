@@ -17,7 +17,9 @@ disk, ``meta.json`` last, once every rank's file is there), then the old one is 
 ``checkpoint.old``, the new one to ``checkpoint``, and the old one removed. A crash at any
 moment leaves at least one complete checkpoint, and :func:`checkpoint_dir` finds it: the first
 complete one of ``checkpoint``, ``checkpoint.new`` (complete but not yet renamed) and
-``checkpoint.old``. A damaged file raises :class:`CheckpointError` naming it.
+``checkpoint.old``. A damaged file raises :class:`CheckpointError` naming it. A checkpoint
+folder is deleted only if it holds nothing but checkpoint files; anything else there is a
+user's, and saving stops with :class:`~microsparse.training.rundir.ForeignFileError` naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from microsparse.training.rundir import ForeignFileError, describe_foreign, foreign_in_checkpoint
 
 CHECKPOINT = "checkpoint"
 
@@ -83,6 +87,7 @@ def save_checkpoint(
     final = Path(out, CHECKPOINT)
     staging = final.with_name(CHECKPOINT + ".new")
     if rank == 0:
+        _refuse_foreign(staging)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     dist.barrier()
@@ -99,12 +104,31 @@ def save_checkpoint(
 def swap_in(final: Path) -> None:
     """Make ``checkpoint.new`` the checkpoint; at every point one complete checkpoint exists."""
     staging, old = final.with_name(CHECKPOINT + ".new"), final.with_name(CHECKPOINT + ".old")
+    for directory in (final, old):  # both are deleted below (final once renamed to old)
+        _refuse_foreign(directory)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
     staging.rename(final)
     _sync_directory(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_checkpoints(out: str | Path) -> None:
+    """Delete every checkpoint folder in ``out`` (an earlier run's, when a new run starts
+    there), refusing with ForeignFileError if one holds what is not a checkpoint's."""
+    for name in (CHECKPOINT, CHECKPOINT + ".new", CHECKPOINT + ".old"):
+        directory = Path(out, name)
+        _refuse_foreign(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _refuse_foreign(directory: Path) -> None:
+    """ForeignFileError if checkpoint folder ``directory`` holds what is not a checkpoint's."""
+    if directory.exists() or directory.is_symlink():
+        foreign = foreign_in_checkpoint(directory)
+        if foreign is not None:
+            raise ForeignFileError(describe_foreign(foreign, directory.parent, "--out"))
 
 
 def _write(path: Path, write: Any) -> None:

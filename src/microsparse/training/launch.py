@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from microsparse.training.config import TrainConfig
 from microsparse.training.loop import train
+from microsparse.training.rundir import MARKER
 
 _MAX_MESSAGE = 2000  # characters of a worker's error that are passed back to the parent
 
@@ -108,8 +109,10 @@ def _spawn(config: TrainConfig, workers: int, data: Any) -> None:
             reports.setdefault(reporter, text)
         last_line = str(failure).strip().splitlines()[-1]  # e.g. "terminated with signal ..."
         message = reports.get(rank, f"rank {rank}: {last_line}")
-        if isinstance(failure, ProcessRaisedException):
-            log = Path(config.out, "error.log")
+        log = Path(config.out, "error.log")
+        # Never over a user's error.log: only a new one, or one in a directory a run claimed.
+        ours = not log.exists() or Path(config.out, MARKER).is_file()
+        if isinstance(failure, ProcessRaisedException) and ours:
             log.write_text(str(failure), encoding="utf-8")
             message += f" (traceback in {log})"
         raise WorkerError(message) from None
@@ -143,8 +146,11 @@ def leave_process(code: int) -> None:
     thread lock (:func:`_run_rank`), as a multiprocessing one would be left to the resource
     tracker, which warns of a leaked semaphore.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:  # its reader has gone (`| head`): nothing left to tell it
+            pass
     os._exit(code)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,8 +15,9 @@ from typing import Any
 from tqdm import tqdm
 
 from microsparse.stats import StepStats
-from microsparse.training.checkpoint import Position
+from microsparse.training.checkpoint import Position, remove_checkpoints
 from microsparse.training.config import TrainConfig
+from microsparse.training.rundir import claim
 from microsparse.training.tasks import Metric
 
 
@@ -22,7 +25,10 @@ class RunLog:
     """One JSON line per step and per epoch, flushed as they come, and the summary at the end.
 
     When resuming from ``position``, the files keep the records before it (steps before
-    ``position.step``, epochs before ``position.epoch``) and continue from there.
+    ``position.step``, epochs before ``position.epoch``) and continue from there; otherwise an
+    earlier run's files in ``config.out`` are replaced, its checkpoints deleted. Raises
+    :class:`~microsparse.training.rundir.ForeignFileError` before writing anything if a file
+    it would replace is not microsparse's.
     """
 
     def __init__(
@@ -37,6 +43,9 @@ class RunLog:
         self.out = Path(config.out)
         self.records: list[dict[str, Any]] = []
         self.epochs: list[dict[str, Any]] = []
+        claim(self.out)  # from here on, every run file in it is microsparse's
+        if position is None:  # a later --resume would take an earlier run's checkpoint
+            remove_checkpoints(self.out)
         for stale in ("summary.json", "error.log"):  # left by an earlier run into this directory
             (self.out / stale).unlink(missing_ok=True)
         if position is not None:
@@ -108,7 +117,7 @@ class RunLog:
         self._epoch_file.write(json.dumps(_json_safe(record)) + "\n")
         shown = ", ".join(f"{_label(name)} {values[name]:.4f}" for name in _names(self.metrics))
         train_loss = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
-        tqdm.write(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
+        say(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
 
     def finish(
         self,
@@ -129,7 +138,7 @@ class RunLog:
         if speed_choice is not None:
             summary["min_speedup"] = speed_choice
         (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
-        print(format_summary(summary, self.out))
+        say(format_summary(summary, self.out))
 
 
 def summarize(
@@ -141,8 +150,12 @@ def summarize(
 ) -> dict[str, Any]:
     """The run's headline numbers from its step and epoch records (see ``summary.json``).
 
-    Timings are rank 0's. The first half of the steps counts as warm-up for the compression
-    ratio error, because the threshold controller moves by at most 0.5 % per step.
+    Timings are rank 0's. The compression ratio error (``ratio_error_mean*``, |K/k - 1|) and
+    ``selected_over_target_mean`` count only the sparse steps (``sparse_steps`` of them): a step
+    the DDP hook averaged densely (``dense_steps``, ``min_speedup``'s) sends every entry on
+    purpose, which is no error of the selection; they are None when no step was sparse. The
+    first half of the steps counts as warm-up for the ratio error, because the threshold
+    controller moves by at most 0.5 % per step.
 
     Example:
         >>> summary = summarize(config, metrics, records, epochs, 60.0)  # doctest: +SKIP
@@ -150,7 +163,9 @@ def summarize(
     """
     steps = len(records)  # at least 1: train() runs at least one step
     warmup = steps // 2
-    errors = [r["ratio_error"] for r in records]
+    sparse = [r for r in records if r.get("averaging") != "dense"]
+    errors = [r["ratio_error"] for r in sparse]
+    errors_after_warmup = [r["ratio_error"] for r in sparse if r["step"] >= records[warmup]["step"]]
     step_total = math.fsum(r["step_seconds"] for r in records)
     totals = {
         part: math.fsum(r[f"{part}_seconds"] for r in records)
@@ -180,10 +195,12 @@ def summarize(
         "steps": steps,
         "epochs": len(epochs),
         "final_loss": records[-1]["loss"],
-        "ratio_error_mean": fmean(errors),
-        "ratio_error_mean_after_warmup": fmean(errors[warmup:]),
+        # Over the sparse steps only (see above).
+        "ratio_error_mean": _mean(errors),
+        "ratio_error_mean_after_warmup": _mean(errors_after_warmup),
         "after_warmup_steps": [warmup, steps - 1],
-        "selected_over_target_mean": fmean(r["selected"] / r["target"] for r in records),
+        "selected_over_target_mean": _mean([r["selected"] / r["target"] for r in sparse]),
+        "sparse_steps": len(sparse),
         # K/d over the whole run, a density warm-up included.
         "mean_density": fmean(r["selected"] / r["numel"] for r in records),
         # Steps the hook averaged densely (min_speedup's probe, and its choice if dense).
@@ -198,7 +215,6 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
     """A few human-readable lines for the end of a run."""
     config, per_step = summary["config"], summary["seconds_per_step"]
     traffic = summary["traffic_ratio"]
-    first, last = summary["after_warmup_steps"]
     shown = ", ".join(f"{_label(name)} {value:.4f}" for name, value in summary["metrics"].items())
     hook = config.get("ddp_hook", "microsparse")
     method = (
@@ -211,8 +227,7 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"{config['integration']} integration: {summary['steps']} steps in "
         f"{summary['seconds']['wall']:.1f} s",
         f"  {shown}, final loss {summary['final_loss']:.4f}",
-        f"  |K/k - 1|: {summary['ratio_error_mean']:.3f} over all steps, "
-        f"{summary['ratio_error_mean_after_warmup']:.3f} over steps {first}-{last}",
+        _ratio_error_line(summary),
         f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
         "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
         *([_speed_line(summary)] if config.get("min_speedup") is not None else []),
@@ -224,6 +239,30 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"  wrote {out}/summary.json, metrics.jsonl, epochs.jsonl",
     ]
     return "\n".join(lines)
+
+
+def _ratio_error_line(summary: dict[str, Any]) -> str:
+    """The compression ratio error of the sparse steps, all of them and after the warm-up.
+
+    Example:
+        >>> print(_ratio_error_line({"ratio_error_mean": 0.01, "dense_steps": 9,
+        ...       "ratio_error_mean_after_warmup": None, "after_warmup_steps": [10, 19]}))
+          |K/k - 1| of the sparse steps (9 dense ones left out): 0.010 over all, n/a over steps 10-19
+    """  # noqa: E501
+    first, last = summary["after_warmup_steps"]
+    means = [summary["ratio_error_mean"], summary["ratio_error_mean_after_warmup"]]
+    every, later = ("n/a" if mean is None else f"{mean:.3f}" for mean in means)
+    dense = summary.get("dense_steps", 0)
+    if not dense:
+        return f"  |K/k - 1|: {every} over all steps, {later} over steps {first}-{last}"
+    return (
+        f"  |K/k - 1| of the sparse steps ({dense} dense ones left out): {every} over all, "
+        f"{later} over steps {first}-{last}"
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return fmean(values) if values else None
 
 
 def _speed_line(summary: dict[str, Any]) -> str:
@@ -245,6 +284,24 @@ def _speed_line(summary: dict[str, Any]) -> str:
         sparse, dense = (1000 * sum(row[i] for row in medians) for i in (0, 1))
         line += f" (median step, summed over ranks: sparse {sparse:.1f} ms, dense {dense:.1f} ms)"
     return line + f"; {summary['dense_steps']} of {summary['steps']} steps averaged densely"
+
+
+def say(text: str) -> None:
+    """Print a line of the run's report (clear of the progress bar); once stdout's reader has
+    gone (``| head``), go on without printing: the run's files are its output."""
+    try:
+        tqdm.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+
+
+def silence_stdout() -> None:
+    """Point stdout at the null device, so that what is still buffered or written later is
+    dropped instead of raising BrokenPipeError again (at exit, too)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _names(metrics: tuple[Metric, ...]) -> list[str]:
