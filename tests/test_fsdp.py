@@ -20,7 +20,7 @@ from distributed import run_ranks
 
 pytest.importorskip("torch.distributed.fsdp")
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 STEPS = 3
 
@@ -31,13 +31,14 @@ def net() -> nn.Module:
                          nn.Linear(32, 5))  # fmt: skip
 
 
-def sharded(mesh) -> nn.Module:
+def sharded(mesh, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """The model with each Linear and the whole model wrapped by FSDP2 over ``mesh``."""
     model = net()
+    policy = policy or MixedPrecisionPolicy()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no ReduceOp.AVG
@@ -50,6 +51,11 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 def local_grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def same(steps: list, others: list) -> bool:
+    """Every gradient of every step equal, bit for bit."""
+    return all(torch.equal(a, b) for x, y in zip(steps, others) for a, b in zip(x, y))
 
 
 def train(model: nn.Module, rank: int, steps: range, each=lambda step: None) -> list:
@@ -69,12 +75,51 @@ def dense_worker(rank: int, n: int) -> bool:
     hybrid = train(sharded(mesh), rank, range(STEPS))
     model = sharded(mesh["shard"])
     microsparse.fsdp.sparsify(model, mesh["replicate"], density=1.0)
-    ours = train(model, rank, range(STEPS))
-    return all(torch.equal(a, b) for x, y in zip(hybrid, ours) for a, b in zip(x, y))
+    return same(hybrid, train(model, rank, range(STEPS)))
 
 
 def test_density_one_is_hybrid_sharding_bit_for_bit(tmp_path) -> None:
     assert run_ranks(dense_worker, 4, tmp_path) == [True] * 4
+
+
+def accumulation_worker(rank: int, n: int) -> dict:
+    """Two micro-batches a step (FSDP reduces on the second only), gradients reduced in bf16."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+
+    def run(model: nn.Module) -> list:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        for step in range(STEPS):
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                model(batch(2 * step + micro, rank)).pow(2).mean().backward()
+            seen.append(local_grads(model))
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen
+
+    hybrid = run(sharded(mesh, policy))
+    model = sharded(mesh["shard"], policy)
+    microsparse.fsdp.sparsify(model, mesh["replicate"], density=1.0)
+    dense = run(model)
+    model = sharded(mesh["shard"], policy)
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05)
+    run(model)
+    return {
+        "dense is hybrid": same(hybrid, dense),
+        "steps": state.step,
+        "residual dtypes": {str(s.feedback.residual.dtype) for s in state._slabs.values()},
+        "k": (state.last_step.selected, state.last_step.target),
+    }
+
+
+def test_gradient_accumulation_and_bf16_reduction(tmp_path) -> None:
+    for result in run_ranks(accumulation_worker, 4, tmp_path):
+        assert result["dense is hybrid"]
+        assert result["steps"] == STEPS  # one exchange per optimizer step, not per micro-batch
+        assert result["residual dtypes"] == {"torch.float32"}  # the residual stays float32
+        assert result["k"][0] == result["k"][1]
 
 
 def micro_worker(rank: int, n: int) -> dict:
@@ -143,9 +188,7 @@ def resume_worker(rank: int, n: int, folder: str) -> bool:
             p.to_local().copy_(value)
     state.load_state_dict(loaded["state"])
     resumed = train(model, rank, range(2, 4))
-    return state.step == 4 and all(
-        torch.equal(a, b) for x, y in zip(straight, resumed) for a, b in zip(x, y)
-    )
+    return state.step == 4 and same(straight, resumed)
 
 
 def test_a_resumed_run_continues_bit_for_bit(tmp_path) -> None:
