@@ -68,9 +68,10 @@ def test_import_microsparse_gives_its_submodules() -> None:
     import subprocess
     import sys
 
-    code = "import microsparse; print(microsparse.ddp.MicroState.__name__)"
+    code = ("import microsparse; print(microsparse.ddp.MicroState.__name__, "
+            "microsparse.fsdp.sparsify.__name__)")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.stdout.strip() == "MicroState", result.stderr
+    assert result.stdout.strip() == "MicroState sparsify", result.stderr
     with pytest.raises(AttributeError, match="no attribute 'dpp'"):
         microsparse.dpp  # noqa: B018
 
