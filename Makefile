@@ -40,7 +40,7 @@ bench: $(READY)
 	$(MICROSPARSE) bench controller --capture $(BENCH)/capture $(BENCH_FLAGS) \
 		--out $(BENCH)/controller
 	if [ "$$(id -u)" = 0 ]; then $(MICROSPARSE) bench cluster --quick --out $(BENCH)/cluster; fi
-	$(MICROSPARSE) simulate --capture $(BENCH)/capture --predict \
+	$(MICROSPARSE) simulate --capture $(BENCH)/capture --predict --workers 1,4,16,64,256,1024 \
 		--select-results $(BENCH)/select/select.json \
 		--cluster-results $(BENCH)/cluster/results.json $(BENCH_FLAGS) --out $(BENCH)/simulate
 	$(MICROSPARSE) simulate --from $(BENCH)/simulate/simulate.json --predict --algorithms best \

@@ -142,11 +142,11 @@ SKIPPED = {
         "needs CIFAR-10 downloaded into ~/data",
     "torchrun --nnodes 2 --nproc-per-node 8 ... -m microsparse train --sparsifier micro":
         "needs a cluster of 2 machines",
-    "microsparse simulate --predict": "slow today: its cost model is being made faster",
 }  # fmt: skip
 SMALL = {  # appended flags that make a command small
     "train": ["--workers", "2", "--max-steps", "2", "--no-progress"],
     "compare": ["--workers", "2", "--", "--max-steps", "2", "--no-progress"],
+    "simulate": ["--quick", "--sparsifiers", "micro", "--no-plots", "--quiet"],
     "overhead": ["--sizes", "100000", "--partitions", "1,4", "--repeats", "2",
                  "--loopback-ranks", "2", "--no-plots", "--quiet"],
 }  # fmt: skip

@@ -23,6 +23,13 @@ sends (the reducer's collectives, priced by ``microsparse.comm``'s ring model) a
 ratio to a dense all-reduce and to the ideal (:func:`ideal_bytes`: K int32 indices and K
 float32 values, nothing else), and the selection time per worker (median and slowest).
 
+By default n runs up to 64 (:data:`DEFAULT_WORKERS`): every sparsifier at those n takes a few
+minutes on two cores and under 2 GB. n = 256 and 1024 (:data:`EXACT_WORKERS`) are simulated
+only when asked for: n × d residuals (0.9 GB at n = 1024 for the MNIST CNN's d) plus each
+worker's buffers, about 13 MB per worker where every entry is selected (``hard_threshold`` on
+the synthetic gradient). Without them :func:`predict` takes the message shapes of n = 256 and
+1024 from the largest simulated n, and says so.
+
 Example:
     >>> result = run(SimulateConfig(workers=(1, 4), numel=20_000, steps=3))  # doctest: +SKIP
 """
@@ -33,12 +40,14 @@ import dataclasses
 import gc
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from microsparse.bench import costmodel, peermodel
 from microsparse.bench.capture import CapturedGradients, load_capture
@@ -66,7 +75,10 @@ from microsparse.layout import Layout
 
 SMALLCNN_NUMEL = 215_370
 """Parameters of ``microsparse train``'s MNIST CNN: the default synthetic d."""
-DEFAULT_WORKERS = (1, 4, 16, 64, 256, 1024)
+DEFAULT_WORKERS = (1, 4, 16, 64)
+"""The n simulated unless told: every sparsifier in a few minutes on two cores, < 2 GB."""
+EXACT_WORKERS = (1, 4, 16, 64, 256, 1024)
+"""Every n that ``--predict`` predicts, simulated: tens of minutes and up to ~14 GB."""
 DEFAULT_NOISE_RATIO = 1.0
 VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -246,15 +258,76 @@ def summarize(
     }
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How much one :func:`run` simulates, known before it starts."""
+
+    sparsifiers: int
+    workers: tuple[int, ...]
+    steps: int
+    numel: int
+
+    @property
+    def runs(self) -> int:
+        """(sparsifier, n) pairs."""
+        return self.sparsifiers * len(self.workers)
+
+    @property
+    def worker_steps(self) -> int:
+        """Steps of one virtual worker, summed over every run: the unit of the work."""
+        return self.sparsifiers * sum(self.workers) * self.steps
+
+    @property
+    def residual_bytes(self) -> int:
+        """The float32 residuals of the largest n, the least the largest run holds."""
+        return max(self.workers) * self.numel * 4
+
+    def describe(self) -> str:
+        return (
+            f"simulating {self.sparsifiers} sparsifiers × n = "
+            f"{','.join(map(str, self.workers))} × {self.steps} steps at d = {self.numel:,}: "
+            f"{self.runs} runs, {self.worker_steps:,} worker-steps; the largest n holds "
+            f"{self.residual_bytes / 1e6:,.1f} MB of residuals (and each sparsifier's buffers)"
+        )
+
+
 def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
-    """Simulate every variant at every n of ``config``; returns the JSON record."""
+    """Simulate every variant at every n of ``config``; returns the JSON record.
+
+    With ``progress``, the plan (:class:`Plan`) and a bar of worker-steps with the time left
+    go to stderr, one line per finished run to stdout.
+    """
     stream = Stream(config)
     layout = stream.layout
     chosen = find_variants(config.only, config.density)
+    plan = Plan(len(chosen), tuple(config.workers), config.steps, layout.numel)
     started = machine()
+    if progress:
+        print(plan.describe(), file=sys.stderr, flush=True)
+    bar = tqdm(total=plan.worker_steps, unit="worker-step", file=sys.stderr, dynamic_ncols=True,
+               mininterval=0.5, disable=not progress)  # fmt: skip
+    with bar:
+        rows = _simulate(config, stream, chosen, bar)
+    return {
+        "benchmark": "simulate",
+        "config": asdict(config),
+        "stream": stream.describe(),
+        "noise_ratio": stream.noise_ratio,
+        "numel": layout.numel,
+        "machine": started,
+        "load_average_at_end": machine()["load_average"],
+        "rows": rows,
+    }
+
+
+def _simulate(
+    config: SimulateConfig, stream: Stream, chosen: list[Variant], bar: tqdm
+) -> list[dict[str, Any]]:
+    layout = stream.layout
     rows = []
     for variant in chosen:
         for world_size in config.workers:
+            bar.set_description(f"{variant.label} n={world_size}", refresh=False)
             generator = torch.Generator().manual_seed(config.seed)  # same stream for every row
             cluster = VirtualCluster(
                 variant.name, config.density, layout, world_size, **variant.options
@@ -265,6 +338,7 @@ def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
                 if step == 0 and config.threshold_start == "settled" and cluster.settle(source):
                     source = zero_gradient
                 records.append(cluster.step(source))
+                bar.update(world_size)
             measured = records[config.warmup :] or records
             row = {
                 "sparsifier": variant.label,
@@ -287,26 +361,17 @@ def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
             }
             row["clock"] = cluster.clock
             rows.append(row)
-            if progress:
-                print(
+            if not bar.disable:
+                bar.write(
                     f"{variant.label:>16} n={world_size:<5} K/k {row['build_up']:7.3f}  "
                     f"padding {row['padding']:6.3f}  {row['bytes_per_worker'] / 1e3:9.1f} kB/worker"
                     f"  select {row['select_ms']:8.3f} ms",
-                    flush=True,
+                    file=sys.stdout,
                 )
             del cluster
             if world_size * layout.numel >= 50_000_000:  # free n × d residuals now
                 gc.collect()
-    return {
-        "benchmark": "simulate",
-        "config": asdict(config),
-        "stream": stream.describe(),
-        "noise_ratio": stream.noise_ratio,
-        "numel": layout.numel,
-        "machine": started,
-        "load_average_at_end": machine()["load_average"],
-        "rows": rows,
-    }
+    return rows
 
 
 @dataclass(frozen=True)
@@ -347,9 +412,8 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
     rows = []
     for label in dict.fromkeys(label for label, _ in shapes):
         for world_size in config.workers:
-            simulated = costmodel._nearest(shapes, label, world_size)
-            assert simulated is not None
-            shape = costmodel.scaled(simulated, config.numel)
+            at = nearest_simulated([n for name, n in shapes if name == label], world_size)
+            shape = costmodel.scaled(shapes[(label, at)], config.numel)
             if shape.exchange == "fixed":  # the capacity follows k/n, not the counts
                 variant = find_variants((label,), density)[0]
                 capacity = capacity_at(variant, density, config.numel, world_size)
@@ -363,6 +427,7 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
                 rows.append({
                     "sparsifier": label,
                     "world_size": world_size,
+                    "simulated_at": at,
                     "gbit_per_s": gbit,
                     "communication_ms": 1e3 * comm,
                     "overhead_ms": overhead,
@@ -379,12 +444,39 @@ def predict(result: dict[str, Any], config: PredictConfig) -> dict[str, Any]:
     for row in rows:
         reference = dense.get((row["world_size"], row["gbit_per_s"]))
         row["speedup_vs_dense"] = reference / row["step_ms"] if reference else None
+    largest = max(n for _, n in shapes)
     return {
         "config": asdict(config),
         "model": costmodel.describe(),
         "overhead_source": overhead_source,
+        "simulated_workers": sorted({n for _, n in shapes}),
+        "beyond_simulated": [n for n in config.workers if n > largest],
         "rows": rows,
     }
+
+
+def nearest_simulated(sizes: list[int], world_size: int) -> int:
+    """The simulated n (of ``sizes``) nearest ``world_size`` on a log scale.
+
+    Example:
+        >>> nearest_simulated([1, 4, 16, 64], 1024), nearest_simulated([1, 4, 16, 64], 20)
+        (64, 16)
+    """
+    return min(sizes, key=lambda n: abs(math.log2(n) - math.log2(world_size)))
+
+
+def beyond_note(prediction: dict[str, Any]) -> str:
+    """What the prediction took from a smaller n than it predicts; '' if nothing."""
+    beyond = prediction.get("beyond_simulated")
+    if not beyond:
+        return ""
+    largest = max(prediction["simulated_workers"])
+    return (
+        f"n = {', '.join(map(str, beyond))} not simulated: their message shapes are those "
+        f"simulated at n = {largest}, scaled to d. Union sparsifiers' K grows with n, so their "
+        f"bytes and times there are likely underestimated; simulate those n with --workers "
+        f"{','.join(map(str, EXACT_WORKERS))} (tens of minutes, up to ~14 GB)."
+    )
 
 
 def capacity_at(variant: Variant, density: float, numel: int, world_size: int) -> int:
@@ -496,6 +588,9 @@ def markdown_prediction(prediction: dict[str, Any]) -> str:
         "end) timed here, and 'if hidden' is the bound where DDP overlaps all communication "
         "with the backward pass.",
     ]
+    note = beyond_note(prediction)
+    if note:
+        parts += ["", f"**{note}**"]
     for gbit in config["rates_gbit"]:
         rows = [r for r in prediction["rows"] if r["gbit_per_s"] == gbit]
         table = []

@@ -10,7 +10,9 @@ is not written anywhere (nothing trains here).
 
 Memory: one d-long residual per worker, plus each sparsifier's own buffers (a whole-vector
 sparsifier keeps d floats and d bools per worker). A worker's gradient is made on the fly
-(``gradient_for(rank)``), never stored.
+(``gradient_for(rank)``), never stored. A union exchange (``Padded(union=True)``) is
+deduplicated once per step for all workers (:class:`SharedUnion`): on a cluster every rank
+sorts the n gathered messages once, here n workers in one process would sort them n times.
 
 Example:
     >>> import torch
@@ -23,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Generator
@@ -32,7 +35,8 @@ from typing import Any
 import torch
 
 from microsparse.bench.timing import choose_clock
-from microsparse.comm.collectives import index_dtype
+from microsparse.comm.collectives import Kind, index_dtype
+from microsparse.comm.framing import Exchange, Exchanged, Framing, Padded, Proposal
 from microsparse.comm.local import run_together
 from microsparse.engine import DiscardOutput, SparseStep, StepReport
 from microsparse.feedback import ErrorFeedback
@@ -89,6 +93,10 @@ class VirtualCluster:
             sparsifier.bind(layout, rank, world_size)
             feedback = ErrorFeedback(layout, torch.float32, self.device)
             self.engines.append(SparseStep(sparsifier, feedback))
+        union: dict[str, Any] = {}  # one per cluster: the last step's rows and their union
+        for engine in self.engines:
+            if isinstance(engine.framing, Padded) and engine.framing.union:
+                engine.framing = SharedUnion(engine.framing, union)
         self.exchange = self.engines[0].framing.label
         self.target = self.engines[0].sparsifier.target
         self._fresh = torch.empty(layout.numel, device=self.device)
@@ -181,6 +189,47 @@ class VirtualCluster:
                 kth = magnitude.topk(min(k, magnitude.numel())).values[-1].item()
                 engine.sparsifier.settle(kth)
         return True
+
+
+class SharedUnion(Framing):
+    """A ``Padded(union=True)`` framing whose union is computed once per step for all workers.
+
+    :func:`~microsparse.comm.local.run_together` answers an all-gather with one and the same
+    tensor for every worker, so every worker would decode and deduplicate the very same rows
+    into the very same positions: O(n · n·k_r log) per step for n workers instead of a
+    cluster rank's O(n·k_r log). The first worker's own framing computes the union; the
+    others take it (positions are only read), with their own counts.
+    """
+
+    name = Padded.name
+
+    def __init__(self, inner: Padded, shared: dict[str, Any]) -> None:
+        self.inner = inner
+        self.label = inner.label
+        self._shared = shared
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        protocol = self.inner.exchange(proposal, world_size)
+        request = next(protocol)
+        while True:
+            answer = yield request
+            if request.what == "indices" and self._shared.get("rows") is answer:
+                protocol.close()
+                done: Exchanged = self._shared["exchanged"]
+                mine = proposal.local.numel()
+                return dataclasses.replace(done, local_selected=mine, local_proposed=mine)
+            try:
+                request = protocol.send(answer)
+            except StopIteration as finished:
+                if request.what == "indices":
+                    self._shared.update(rows=answer, exchanged=finished.value)
+                return finished.value
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        return Padded.collectives(slots, index_bytes, counts_known)
 
 
 def zero_gradient(rank: int, out: torch.Tensor) -> torch.Tensor:

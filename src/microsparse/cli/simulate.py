@@ -26,15 +26,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "index padding, bytes sent per worker and selection time as functions of n. With "
         "--predict, an alpha-beta model of ring collectives predicts step times; with "
         "--cluster-results, it is compared with microsparse bench cluster's results.json. "
-        "Writes simulate.json, simulate.md, simulate.png (and predict.png) to --out.",
+        "Progress (the plan, then a bar with the time left) goes to stderr. Writes simulate.json, "
+        "simulate.md, simulate.png (and predict.png) to --out.",
     )
     add = parser.add_argument
     add(
         "--workers",
         type=bench_options.positive_ints,
         default=None,
-        help="worker counts n (default "
-        f"{','.join(map(str, full.workers))}; quick {','.join(map(str, QUICK['workers']))})",
+        help="worker counts n to simulate (default "
+        f"{','.join(map(str, full.workers))}: every sparsifier in a few minutes on two cores, "
+        "under 2 GB; --predict takes larger n's message shapes from the largest simulated n "
+        f"and says so; --workers {','.join(map(str, simulate.EXACT_WORKERS))} simulates every "
+        "n it predicts: tens of minutes, up to ~14 GB)",
     )
     add(
         "--density",
@@ -87,7 +91,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=full.value_dtype,
         help="values on the wire, as GradientReducer's value_dtype (default: %(default)s)",
     )
-    add("--predict", action="store_true", help="predict step times with the alpha-beta model")
+    add(
+        "--predict",
+        action="store_true",
+        help="predict step times with the alpha-beta model, from the simulated message shapes "
+        "at the nearest simulated n (beyond the largest one: its shapes, noted in the output)",
+    )
     add(
         "--rates",
         type=bench_options.positive_floats,
@@ -153,7 +162,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="take the simulation from an earlier simulate.json instead of running it (to "
         "redo the prediction or the validation)",
     )
-    add("--quick", action="store_true", help="n = 1,4,16,64, 6 steps")
+    add("--quick", action="store_true", help=f"n = {','.join(map(str, QUICK['workers']))}, "
+        f"{QUICK['steps']} steps")  # fmt: skip
     bench_options.add_common(parser, "simulate")
     parser.set_defaults(run=_run, parser=parser)
 
@@ -178,11 +188,11 @@ def _peers(text: str) -> tuple[str, ...]:
     return names
 
 
-def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    out = bench_options.prepare(args, "simulate")
+def config_from(args: argparse.Namespace) -> simulate.SimulateConfig:
+    """The simulation that ``args`` ask for: the defaults, ``--quick``'s, or what is given."""
     preset = QUICK if args.quick else {}
     full = simulate.SimulateConfig()
-    config = simulate.SimulateConfig(
+    return simulate.SimulateConfig(
         workers=args.workers or preset.get("workers", full.workers),
         density=args.density,
         steps=args.steps or preset.get("steps", full.steps),
@@ -194,6 +204,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         value_dtype=args.value_dtype,
         only=args.sparsifiers,
     )
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    out = bench_options.prepare(args, "simulate")
+    config = config_from(args)
     try:
         if args.from_file:  # the simulation only: the model is redone below, or left out
             result = json.loads(Path(args.from_file).read_text())
