@@ -167,32 +167,44 @@ def test_micro_conserves_every_shard_keeps_replicas_identical_and_sends_k(tmp_pa
         assert [step for _, _, step in result["selected"]] == list(range(1, STEPS + 1))
 
 
-def resume_worker(rank: int, n: int, folder: str) -> bool:
+def resume_worker(rank: int, n: int, folder: str) -> dict:
+    """Model and states through torch.distributed.checkpoint, each rank's state its own."""
+    import torch.distributed.checkpoint as dcp
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
-    def fresh() -> tuple[nn.Module, microsparse.fsdp.ShardedState]:
-        model = sharded(mesh["shard"])
-        return model, microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05)
+    def fresh(shape=mesh) -> tuple[nn.Module, microsparse.fsdp.ShardedState]:
+        model = sharded(shape["shard"])
+        return model, microsparse.fsdp.sparsify(model, shape["replicate"], density=0.05)
 
     model, state = fresh()
     train(model, rank, range(2))
-    saved = {"params": [p.to_local().clone() for p in model.parameters()],
-             "state": state.state_dict()}  # fmt: skip
-    torch.save(saved, f"{folder}/rank{rank}.pt")
+    dcp.save({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+             checkpoint_id=folder)  # fmt: skip
     straight = train(model, rank, range(2, 4))
 
     model, state = fresh()
-    loaded = torch.load(f"{folder}/rank{rank}.pt", weights_only=False)
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), loaded["params"]):
-            p.to_local().copy_(value)
-    state.load_state_dict(loaded["state"])
+    dcp.load({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+             checkpoint_id=folder)  # fmt: skip
     resumed = train(model, rank, range(2, 4))
-    return state.step == 4 and same(straight, resumed)
+    steps = state.step
+
+    # Another mesh shape, the same ranks: 4 replicas of one shard each.
+    other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    model, state = fresh(other)
+    try:
+        dcp.load({"sparse": microsparse.OwnRank(state)}, checkpoint_id=folder)
+        refused = "no error"
+    except ValueError as error:
+        refused = str(error)
+    return {"exact": steps == 4 and same(straight, resumed), "refused": refused}
 
 
-def test_a_resumed_run_continues_bit_for_bit(tmp_path) -> None:
-    assert run_ranks(resume_worker, 4, tmp_path, str(tmp_path)) == [True] * 4
+def test_a_resumed_run_continues_bit_for_bit_through_dcp(tmp_path) -> None:
+    for result in run_ranks(resume_worker, 4, tmp_path, str(tmp_path / "checkpoint")):
+        assert result["exact"]
+        assert "saved with other options" in result["refused"]
+        assert "shard (this rank's place, shard size)" in result["refused"]
 
 
 def refusal_worker(rank: int, n: int) -> list[str]:

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
-from microsparse.ranks import EveryRank
+from microsparse.ranks import EveryRank, OwnRank
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers import available_sparsifiers, register_sparsifier
 from microsparse.stats import StepStats
@@ -31,6 +31,7 @@ __all__ = [
     "EveryRank",
     "GradientReducer",
     "NonFiniteGradientError",
+    "OwnRank",
     "StepStats",
     "available_sparsifiers",
     "register_sparsifier",

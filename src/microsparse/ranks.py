@@ -13,12 +13,18 @@ Example (Accelerate)::
     accelerator.register_for_checkpointing(microsparse.EveryRank(state))
     accelerator.save_state("ckpt")        # on every rank, as Accelerate requires
     accelerator.load_state("ckpt")        # every rank gets its own residuals back
+
+``torch.distributed.checkpoint`` (DCP) saves every rank's entries, but takes entries with equal
+keys on several ranks for copies of one value and keeps one: :class:`OwnRank` files each rank's
+state under a key of its own.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 
@@ -70,6 +76,43 @@ class EveryRank:
                 f"loaded by {world_size}; resume with as many ranks"
             )
         self.stateful.load_state_dict(state["ranks"][rank])
+
+
+class OwnRank:
+    """Wraps ``stateful`` for ``torch.distributed.checkpoint``: each rank's state under its
+    own key (``rank<r>``), as one opaque entry, so that DCP neither merges the ranks' states
+    nor needs their shapes before loading (a state may learn them at its first backward pass).
+
+    Example::
+
+        dcp.save({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+                 checkpoint_id="ckpt")
+        dcp.load({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+                 checkpoint_id="ckpt")  # every rank gets its own state back
+    """
+
+    def __init__(self, stateful: Stateful) -> None:
+        self.stateful = stateful
+
+    def _key(self) -> str:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return f"rank{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        saved = io.BytesIO()
+        torch.save(self.stateful.state_dict(), saved)
+        saved.seek(0)
+        return {self._key(): saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get(self._key())
+        if not isinstance(saved, io.BytesIO) or not saved.getbuffer().nbytes:
+            raise ValueError(
+                f"OwnRank.load_state_dict: the checkpoint holds no state for {self._key()}; "
+                "resume with as many ranks as it was saved with"
+            )
+        saved.seek(0)
+        self.stateful.load_state_dict(torch.load(saved, weights_only=False))
 
 
 def check_saved_by(

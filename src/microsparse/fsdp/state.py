@@ -287,8 +287,7 @@ class ShardedState:
         check_saved_by((state.get("rank"), state.get("world_size")), dist.get_rank(),
                        dist.get_world_size())  # fmt: skip
         mine = self.described()
-        differing = [k for k in mine if k != "shard (this rank's place, shard size)"
-                     and state["config"].get(k) != mine[k]]  # fmt: skip
+        differing = [k for k in mine if _comparable(state["config"].get(k)) != _comparable(mine[k])]
         if differing:
             raise ValueError(
                 "load_state_dict: the checkpoint was saved with other options: "
@@ -315,3 +314,8 @@ def _replicate_group(replicate: Any) -> dist.ProcessGroup:
         "replicate must be the replicate dimension of the device mesh (mesh['replicate']) or "
         f"its ProcessGroup; got {type(replicate).__name__}"
     )
+
+
+def _comparable(value: Any) -> Any:
+    """Lists and tuples alike: a checkpoint may have turned one into the other."""
+    return [_comparable(v) for v in value] if isinstance(value, list | tuple) else value
