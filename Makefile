@@ -12,7 +12,7 @@ READY := $(VENV)/.ready
 $(READY): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,data,plots,frameworks]"
+	$(PY) -m pip install --quiet -e ".[lab,dev,data,plots,frameworks]"
 	# MovieLens-100K ships in recbole, whose own dependency pins are unusable: no deps.
 	$(PY) -m pip install --quiet --no-deps recbole
 	touch $@
@@ -21,7 +21,7 @@ demo: $(READY)
 	$(VENV)/bin/microsparse train --workers 4 --out runs/demo
 
 test: $(READY)
-	$(PY) -m pytest tests src/microsparse
+	$(PY) -m pytest tests src/microsparse src/microsparse_lab
 
 # The measurements of docs/BENCHMARKS.md, into $(BENCH); the plots are copied to docs/img.
 # About two hours on 2 busy cores (bench select alone about one). One torch thread by default: on a busy machine, 2 threads
@@ -51,10 +51,10 @@ bench: $(READY)
 	cp $(BENCH)/simulate-best/predict.png docs/img/predict-best.png
 
 # On a machine with a GPU and torch already installed (no venv, no downloads): the CUDA and
-# NCCL checks and the GPU benchmark of src/microsparse/bench/gpu_check.py (about 4 minutes),
+# NCCL checks and the GPU benchmark of src/microsparse_lab/bench/gpu_check.py (about 4 minutes),
 # into $OUT if it is set.
 gpu-check:
-	PYTHONPATH=src $(PYTHON) -m microsparse.bench.gpu_check --out "$${OUT:-runs/gpu-check}"
+	PYTHONPATH=src $(PYTHON) -m microsparse_lab.bench.gpu_check --out "$${OUT:-runs/gpu-check}"
 
 lint: $(READY)
 	$(VENV)/bin/ruff check src tests

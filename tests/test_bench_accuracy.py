@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from microsparse.bench.accuracy import AccuracyConfig, train_arguments
-from microsparse.cli import main
-from microsparse.reports import PLOTS
+from microsparse_lab.bench.accuracy import AccuracyConfig, train_arguments
+from microsparse_lab.cli import main
+from microsparse_lab.reports import PLOTS
 from test_bench_cluster import leftovers, namespaces  # noqa: F401  (the fixture, by name)
 
 needs_namespaces = pytest.mark.usefixtures("namespaces")

@@ -22,9 +22,9 @@ import torch
 
 from distributed import run_ranks
 from microsparse import GradientReducer
-from microsparse.bench import cluster as cluster_module
-from microsparse.bench import netns
-from microsparse.bench.cluster import (
+from microsparse_lab.bench import cluster as cluster_module
+from microsparse_lab.bench import netns
+from microsparse_lab.bench.cluster import (
     PARTS,
     BenchConfig,
     default_sparsifiers,
@@ -32,8 +32,8 @@ from microsparse.bench.cluster import (
     summarize_configuration,
     to_markdown,
 )
-from microsparse.bench.cluster_worker import needs_settling, settle_threshold
-from microsparse.cli import main
+from microsparse_lab.bench.cluster_worker import needs_settling, settle_threshold
+from microsparse_lab.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 def start_cli(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "microsparse", "bench", "cluster", *args],
+        [sys.executable, "-m", "microsparse_lab", "bench", "cluster", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

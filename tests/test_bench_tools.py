@@ -12,14 +12,15 @@ import math
 import pytest
 import torch
 
-from microsparse.bench import costmodel, peermodel, simulate
-from microsparse.bench.capture import CaptureError, load_capture
-from microsparse.bench.workload import RESNET18_NUMEL, model_layout, variants
-from microsparse.cli import bench, main
 from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.comm.local import SymmetricPeers
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
+from microsparse_lab.bench import costmodel, peermodel, simulate
+from microsparse_lab.bench.capture import CaptureError, load_capture
+from microsparse_lab.bench.workload import RESNET18_NUMEL, model_layout
+from microsparse_lab.cli import bench, main
+from microsparse_lab.methods.names import variants
 
 pytest.importorskip("matplotlib")
 
@@ -340,7 +341,7 @@ def test_overhead_times_both_drivers_and_the_loopback_ratio(tmp_path):
 
 
 def test_loopback_needs_a_warm_up_step_to_size_the_bare_rounds():
-    from microsparse.bench.loopback import LoopbackConfig
+    from microsparse_lab.bench.loopback import LoopbackConfig
 
     with pytest.raises(ValueError, match="warmup: must be at least 1"):
         LoopbackConfig(warmup=0)

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from microsparse.cli import build_parser, main
-from microsparse.cli.train import _config as config_of
 from microsparse.comm.collectives import all_reduce_bytes
+from microsparse_lab.cli import build_parser, main
+from microsparse_lab.cli.train import _config as config_of
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 STEP_FIELDS = {
@@ -31,7 +31,7 @@ SUMMARY_FIELDS = {
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "microsparse", *args],
+        [sys.executable, "-m", "microsparse_lab", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -127,10 +127,10 @@ def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
 def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
     bytes per step from the peers' model and the runs labelled by the hook."""
-    from microsparse.bench import peermodel
-    from microsparse.reports import load_run
-    from microsparse.training import TrainConfig
-    from microsparse.training.tasks import get_task
+    from microsparse_lab.methods.traffic import peer_bytes
+    from microsparse_lab.reports import load_run
+    from microsparse_lab.training import TrainConfig
+    from microsparse_lab.training.tasks import get_task
 
     out = tmp_path / "run"
     result = run_cli("train", "--workers", "2", "--max-steps", "4", "--no-progress",
@@ -144,7 +144,7 @@ def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     data = task.load(None, config.task_options)
     model = task.build_model(config.model, data, 1, config.model_options)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    expected = peermodel.peer_bytes(hook, shapes, 2)
+    expected = peer_bytes(hook, shapes, 2)
     dense = records[0]["dense_bytes"]
     plain = 0  # PowerSGD's plain all-reduce steps: 2 by default, or the name's start
     if hook.startswith("powersgd"):
@@ -424,7 +424,7 @@ def test_an_interrupted_run_continues_with_resume_only(tmp_path):
     """A real run killed after its first checkpoints: a fresh --out there is refused (it
     names --resume), and --resume continues it to the end."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "microsparse", *TINY_RUN, "--max-steps", "1000"]
+    command = [sys.executable, "-m", "microsparse_lab", *TINY_RUN, "--max-steps", "1000"]
     command += ["--checkpoint-every", "2", "--resume", str(out)]
     run = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)  # fmt: skip
@@ -466,7 +466,7 @@ def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
     out = tmp_path / "run"
 
     def closed_stdout(*args: str) -> tuple[int, str]:
-        command = [sys.executable, "-m", "microsparse", *args]
+        command = [sys.executable, "-m", "microsparse_lab", *args]
         pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         process = subprocess.Popen(command, **pipes)
         process.stdout.close()  # long before the command prints: the reader has gone
@@ -481,7 +481,7 @@ def test_a_reader_that_stops_early_ends_the_output_quietly(tmp_path):
 
 
 def test_hookstep_prints_its_help():
-    result = subprocess.run([sys.executable, "-m", "microsparse.bench.hookstep", "--help"],
+    result = subprocess.run([sys.executable, "-m", "microsparse_lab.bench.hookstep", "--help"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "usage: python -m microsparse.bench.hookstep [-h] [ranks] [steps]" in result.stdout
+    assert "usage: python -m microsparse_lab.bench.hookstep [-h] [ranks] [steps]" in result.stdout

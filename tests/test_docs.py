@@ -140,7 +140,7 @@ SKIPPED = {
     "make test": "is this test suite",
     "microsparse train --task cifar10 --model resnet18 --data-dir ~/data/cifar-10-batches-py":
         "needs CIFAR-10 downloaded into ~/data",
-    "torchrun --nnodes 2 --nproc-per-node 8 ... -m microsparse train --sparsifier micro":
+    "torchrun --nnodes 2 --nproc-per-node 8 ... -m microsparse_lab train --sparsifier micro":
         "needs a cluster of 2 machines",
 }  # fmt: skip
 SMALL = {  # appended flags that make a command small

@@ -22,9 +22,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse.ddp as mddp
 from distributed import run_ranks
 from microsparse import GradientReducer, NonFiniteGradientError
-from microsparse.training import checkpoint
-from microsparse.training.checkpoint import CheckpointError, checkpoint_dir, read_meta, read_part
-from microsparse.training.config import TrainConfig, resume_config
+from microsparse_lab.training import checkpoint
+from microsparse_lab.training.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    read_meta,
+    read_part,
+)
+from microsparse_lab.training.config import TrainConfig, resume_config
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -56,7 +61,7 @@ def _elastic_run(out: Path, kill_after: int | None) -> str:
     a checkpoint exists and ``kill_after`` steps are logged. Returns torchrun's stderr."""
     command = [
         str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
-        "-m", "microsparse", "train", "--max-steps", "24", "--checkpoint-every", "4",
+        "-m", "microsparse_lab", "train", "--max-steps", "24", "--checkpoint-every", "4",
         "--resume", str(out), "--no-progress",
     ]  # fmt: skip
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

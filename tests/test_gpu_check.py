@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from microsparse.bench import gpu_check
-from microsparse.bench.gpu import correctness, measure, steps
-from microsparse.bench.gpu.budget import Budget
-from microsparse.bench.gpu.methods import methods
-from microsparse.bench.gpu.selection import bench_selection
+from microsparse_lab.bench import gpu_check
+from microsparse_lab.bench.gpu import correctness, measure, steps
+from microsparse_lab.bench.gpu.budget import Budget
+from microsparse_lab.bench.gpu.methods import methods
+from microsparse_lab.bench.gpu.selection import bench_selection
 
 
 def test_the_device_check_runs_on_cpu(tmp_path) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from distributed import run_ranks
 from microsparse import GradientReducer, NonFiniteGradientError
-from microsparse.training.config import ConfigError, TrainConfig
+from microsparse_lab.training.config import ConfigError, TrainConfig
 from reference import micro_reference
 
 SHAPES = [(30,), (7, 8), (17,)]

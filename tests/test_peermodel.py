@@ -10,8 +10,11 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import run_ranks
-from microsparse.bench import peermodel, peers, peertime
 from microsparse.comm.collectives import all_reduce_bytes
+from microsparse_lab.bench import peermodel, peertime
+from microsparse_lab.methods.hooks import attach_method
+from microsparse_lab.methods.names import parse_method
+from microsparse_lab.methods.traffic import ddp_buckets, peer_bytes, peer_collectives
 
 
 def small_model() -> nn.Module:
@@ -36,7 +39,7 @@ def test_buckets_are_ddps_own(limits):
     first, cap = limits
     tensors = [torch.empty(shape) for shape in shapes][::-1]
     expected, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap])
-    mine = peermodel.ddp_buckets(shapes, bucket_bytes=cap, first_bucket_bytes=first)
+    mine = ddp_buckets(shapes, bucket_bytes=cap, first_bucket_bytes=first)
     assert mine == [[len(shapes) - 1 - i for i in bucket] for bucket in expected]
 
 
@@ -44,8 +47,8 @@ def record_all_reduces(rank: int, world_size: int, name: str) -> list[tuple[int,
     """(entries, bytes per entry) of every all-reduce torch's hook issues in step 4, after
     PowerSGD has started compressing and DDP has rebuilt its buckets."""
     model = small_model()
-    method = peers.parse(name)
-    ddp, _ = peers.attach(method, model, density=0.001, start=2)
+    method = parse_method(name)
+    ddp, _ = attach_method(method, model, density=0.001, start=2)
     if method.sparsifier == "ddp":  # stock DDP reduces in C++: the same all-reduce as a hook
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -88,7 +91,7 @@ class Summed:
 )
 def test_collectives_are_those_torch_issues(tmp_path, name):
     shapes = [tuple(p.shape) for p in small_model().parameters()]
-    predicted = peermodel.peer_collectives(name, shapes, 2)
+    predicted = peer_collectives(name, shapes, 2)
     # torch's powerSGD_hook with several buckets waits for each bucket's next all-reduce
     # inside a callback on gloo's threads: ranks can issue them in different orders and hang
     # (why bench.peers gives PowerSGD one bucket), and on some machines one rank hangs alone.
@@ -99,7 +102,7 @@ def test_collectives_are_those_torch_issues(tmp_path, name):
     buckets = 1 if "powersgd" in name and "default" not in name else 2
     assert len(predicted) == buckets * (3 if "powersgd" in name else 1)
     assert [("all_reduce", entries * size) for entries, size in seen[0]] == predicted
-    assert peermodel.peer_bytes(name, shapes, 2) == sum(
+    assert peer_bytes(name, shapes, 2) == sum(
         all_reduce_bytes(size, 2) for _, size in predicted
     )
 
@@ -113,7 +116,7 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
     names = ("micro@ddp", "micro@ddp(buckets=one)", "micro@ddp(exchange=one)",
              "micro(density=0.05)@ddp", "micro@ddp(min_speedup=1.5)")  # fmt: skip
     for name in names:
-        ddp, state = peers.attach(peers.parse(name), small_model(), density=0.01, start=2)
+        ddp, state = attach_method(parse_method(name), small_model(), density=0.01, start=2)
         assert state.min_speedup == (1.5 if "min_speedup" in name else None)
         for _ in range(3):  # past DDP's bucket rebuild
             ddp(images).square().sum().backward()
@@ -121,7 +124,7 @@ def ddp_rows(rank: int, world_size: int) -> dict[str, object]:
         targets[name] = (state.last_step.target, state.last_step.selected)
     local = small_model()
     local(images).square().sum().backward()
-    ddp, state = peers.attach(peers.parse("none@ddp"), small_model(), density=0.01, start=2)
+    ddp, state = attach_method(parse_method("none@ddp"), small_model(), density=0.01, start=2)
     ddp(images).square().sum().backward()
     own = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), local.parameters()))
     dist.barrier()
@@ -164,7 +167,7 @@ def test_the_hook_in_one_bucket_and_ddps_own_cost(tmp_path):
 )
 def test_bad_method_names_are_refused_naming_the_fix(name, message):
     with pytest.raises(ValueError, match=message):
-        peers.parse(name)
+        parse_method(name)
 
 
 def test_widened_shapes_keep_the_architecture():
@@ -172,11 +175,11 @@ def test_widened_shapes_keep_the_architecture():
     wider = peermodel.scaled_shapes(shapes, 4 * sum(math.prod(s) for s in shapes))
     assert len(wider) == len(shapes)
     assert sum(math.prod(s) for s in wider) == pytest.approx(4 * 11_173_962, rel=0.01)
-    ddp = peermodel.peer_bytes("ddp", shapes, 4)
-    assert peermodel.peer_bytes("ddp", wider, 4) == pytest.approx(4 * ddp, rel=0.01)
+    ddp = peer_bytes("ddp", shapes, 4)
+    assert peer_bytes("ddp", wider, 4) == pytest.approx(4 * ddp, rel=0.01)
     # PowerSGD's P and Q grow with the rows and columns: twice, not four times.
-    low_rank = peermodel.peer_bytes("powersgd", shapes, 4)
-    assert 1.8 * low_rank < peermodel.peer_bytes("powersgd", wider, 4) < 2.6 * low_rank
+    low_rank = peer_bytes("powersgd", shapes, 4)
+    assert 1.8 * low_rank < peer_bytes("powersgd", wider, 4) < 2.6 * low_rank
 
 
 def test_local_arithmetic_is_timed_and_names_are_checked():
@@ -184,7 +187,7 @@ def test_local_arithmetic_is_timed_and_names_are_checked():
     assert peermodel.local_seconds("ddp", shapes, 2) == 0.0
     assert peermodel.local_seconds("fp16", shapes, 2) > 0
     with pytest.raises(ValueError, match="not a peer"):
-        peermodel.peer_collectives("micro", shapes, 2)
+        peer_collectives("micro", shapes, 2)
     with pytest.raises(ValueError, match="unknown"):
         peermodel.local_seconds("powersgd2", shapes, 2)
 
@@ -194,6 +197,6 @@ def test_powersgd_is_timed_through_torchs_own_hook():
     timing = peertime.powersgd_seconds(shapes, rank=2, passes=3)
     # torch's own count of what its hook all-reduced per pass once it compressed: the
     # model's three all-reduces (the vectors raw, then P, then Q), entry for entry.
-    sizes = [size for _, size in peermodel.peer_collectives("powersgd(rank=2)", shapes, 2)]
+    sizes = [size for _, size in peer_collectives("powersgd(rank=2)", shapes, 2)]
     assert timing.sent == sum(sizes) // 4 == 74 + (128 + 20) + (54 + 128)
     assert timing.seconds >= 0

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from microsparse.cli import main
-from microsparse.reports import load_run, load_runs, results_table
-from microsparse.reports import tensorboard as tensorboard_module
 from microsparse.stats import StepStats
+from microsparse_lab.cli import main
+from microsparse_lab.reports import load_run, load_runs, results_table
+from microsparse_lab.reports import tensorboard as tensorboard_module
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOT_FILES = ["metric_vs_epoch", "metric_vs_time", "density_vs_step", "time_breakdown"]
@@ -203,7 +203,7 @@ def test_compare_refuses_bad_arguments_before_training(tmp_path, capsys, args, m
 def test_compare_runs_each_sparsifier_and_reports(tmp_path):
     out = tmp_path / "cmp"
     result = subprocess.run(
-        [sys.executable, "-m", "microsparse", "compare", "--sparsifiers", "dense,micro",
+        [sys.executable, "-m", "microsparse_lab", "compare", "--sparsifiers", "dense,micro",
          "--workers", "2", "--density", "0.01", "--out", str(out), "--",
          "--max-steps", "4", "--batch-size", "16"],
         capture_output=True, text=True, timeout=180,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from microsparse.training import TrainConfig, checkpoint, train
-from microsparse.training.checkpoint import read_meta
-from microsparse.training.config import resume_config
-from microsparse.training.rundir import MARKER, ForeignFileError, claim
+from microsparse_lab.training import TrainConfig, checkpoint, train
+from microsparse_lab.training.checkpoint import read_meta
+from microsparse_lab.training.config import resume_config
+from microsparse_lab.training.rundir import MARKER, ForeignFileError, claim
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 # LSTM: dropout (RNG) and a hidden state carried across steps; interrupted mid-epoch.

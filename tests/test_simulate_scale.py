@@ -6,12 +6,13 @@ import json
 
 import torch
 
-from microsparse.bench import simulate
-from microsparse.bench.virtual import SharedUnion, VirtualCluster
-from microsparse.bench.workload import model_layout, variants
-from microsparse.cli import build_parser, main
-from microsparse.cli import simulate as simulate_cli
 from microsparse.sparsifiers.threshold import initial_threshold
+from microsparse_lab.bench import simulate
+from microsparse_lab.bench.virtual import SharedUnion, VirtualCluster
+from microsparse_lab.bench.workload import model_layout
+from microsparse_lab.cli import build_parser, main
+from microsparse_lab.cli import simulate as simulate_cli
+from microsparse_lab.methods.names import variants
 
 
 def test_the_readme_command_simulates_a_bounded_plan():

@@ -1,7 +1,7 @@
 """Host syncs per steady-state training step, counted on the CPU on real gloo ranks.
 
 On a GPU each of these operations makes the host wait until the device has drained its queue;
-``microsparse.bench.syncs`` counts them on CPU tensors, on every thread, so that a DDP comm
+``microsparse_lab.bench.syncs`` counts them on CPU tensors, on every thread, so that a DDP comm
 hook's ``.then()`` stages on gloo's threads count too. First the counter is shown able to
 fail, then MiCRO's step is held to zero in both drivers.
 """
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse
 import microsparse.ddp
 from distributed import run_ranks
-from microsparse.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
+from microsparse_lab.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
 
 WARMUP = 4  # DDP rebuilds its buckets after the first step; the first step may check things
 COUNTED = 3

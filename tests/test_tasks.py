@@ -8,12 +8,17 @@ import pytest
 import torch
 from torch import nn
 
-from microsparse.training import build_resnet18
-from microsparse.training.config import ConfigError, TrainConfig, config_from_file, resume_config
-from microsparse.training.models import GoogLeNet, LSTMLanguageModel, NeuMF, SENet18, SmallCNN
-from microsparse.training.optim import build_optimizer, learning_rate
-from microsparse.training.tasks import available_tasks, get_task
-from microsparse.training.tasks.recommendation import hit_ratio_and_ndcg
+from microsparse_lab.training import build_resnet18
+from microsparse_lab.training.config import (
+    ConfigError,
+    TrainConfig,
+    config_from_file,
+    resume_config,
+)
+from microsparse_lab.training.models import GoogLeNet, LSTMLanguageModel, NeuMF, SENet18, SmallCNN
+from microsparse_lab.training.optim import build_optimizer, learning_rate
+from microsparse_lab.training.tasks import available_tasks, get_task
+from microsparse_lab.training.tasks.recommendation import hit_ratio_and_ndcg
 
 
 def count(model: nn.Module) -> int:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from microsparse.training import TrainConfig, train
+from microsparse_lab.training import TrainConfig, train
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 TINY_LSTM = {"units": 8, "layers": 1, "dropout": 0.0}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from microsparse.training.data import (
+from microsparse_lab.training.data import (
     DataFormatError,
     MissingDataError,
     load_cifar,
@@ -18,9 +18,9 @@ from microsparse.training.data import (
     shard_batches,
     stratified_split,
 )
-from microsparse.training.data.images import cifar_data, random_crop_and_flip
-from microsparse.training.data.ratings import movielens_20m, movielens_100k, training_instances
-from microsparse.training.data.text import embedded_text, strip_wikitext, tokenize, wikitext
+from microsparse_lab.training.data.images import cifar_data, random_crop_and_flip
+from microsparse_lab.training.data.ratings import movielens_20m, movielens_100k, training_instances
+from microsparse_lab.training.data.text import embedded_text, strip_wikitext, tokenize, wikitext
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 

@@ -18,7 +18,7 @@ from distributed import run_ranks
 from microsparse import GradientReducer
 from microsparse.errors import ConfigMismatchError
 from microsparse.sparsifiers.warmup import DensityWarmup
-from microsparse.training.config import ConfigError, TrainConfig
+from microsparse_lab.training.config import ConfigError, TrainConfig
 from reference import micro_reference
 
 SHAPES = [(300,), (20, 30), (113,)]
@@ -187,7 +187,7 @@ def test_a_rank_at_another_step_inside_the_warmup_is_told_not_aborted(tmp_path) 
 def test_train_counts_the_warmup_in_the_mean_density(tmp_path) -> None:
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "microsparse", "train", "--workers", "2", "--max-steps", "6",
+        [sys.executable, "-m", "microsparse_lab", "train", "--workers", "2", "--max-steps", "6",
          "--density", "0.001", "--density-warmup", "0.01,0.1", "--no-progress",
          "--out", str(out)],
         capture_output=True, text=True, timeout=120,

@@ -6,8 +6,8 @@ import torch
 
 from microsparse.comm.collectives import index_dtype
 from microsparse.comm.framing import Framing, Shared
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
+from microsparse.sparsifiers.registry import register_sparsifier
 
 
 @register_sparsifier

@@ -9,9 +9,9 @@ import torch
 from microsparse.comm.collectives import index_dtype
 from microsparse.comm.framing import Framing, Padded
 from microsparse.layout import Layout
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
 from microsparse.sparsifiers.partition import contiguous_partitions
+from microsparse.sparsifiers.registry import register_sparsifier
 
 Fragment = tuple[int, int]  # half-open [start, end) of the flat vector
 

@@ -7,8 +7,8 @@ import torch
 from microsparse.comm.framing import Dense as DenseFraming
 from microsparse.comm.framing import Framing
 from microsparse.layout import Layout
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
+from microsparse.sparsifiers.registry import register_sparsifier
 
 
 @register_sparsifier

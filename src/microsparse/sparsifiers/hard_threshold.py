@@ -6,8 +6,8 @@ import torch
 
 from microsparse.comm.framing import Framing, Padded
 from microsparse.layout import Layout
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Magnitudes, Sparsifier
+from microsparse.sparsifiers.registry import register_sparsifier
 from microsparse.sparsifiers.threshold import initial_threshold
 
 

@@ -9,10 +9,10 @@ import torch
 
 from microsparse.comm.framing import Fixed, Framing, Padded
 from microsparse.layout import Layout
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Candidates, Sparsifier
 from microsparse.sparsifiers.largest import LargestFinder
 from microsparse.sparsifiers.partition import PARTITIONINGS, Segment, owned_partition
+from microsparse.sparsifiers.registry import register_sparsifier
 from microsparse.sparsifiers.threshold import (
     THRESHOLD_RULES,
     QuantileThreshold,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from microsparse.comm.framing import Framing, Shared
-from microsparse.sparsifiers import register_sparsifier
 from microsparse.sparsifiers.base import Sparsifier
+from microsparse.sparsifiers.registry import register_sparsifier
 
 
 @register_sparsifier

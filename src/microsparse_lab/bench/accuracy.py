@@ -1,0 +1,180 @@
+"""Time to accuracy on the test bed: real training of a real task, per method and network.
+
+For every link rate a cluster of ``hosts`` network namespaces is built
+(:class:`~microsparse_lab.bench.netns.Cluster`); for every method, each host runs one rank of an
+ordinary ``microsparse train`` (torchrun's variables, over the shaped link) into
+``OUT/<rate>/<method>``. Each rate then gets the report of ``microsparse report``: the metric
+against epochs and against wall time, and per method the epochs, wall seconds, steps and
+bytes per worker to a target fixed in advance (``target_fraction`` of the dense run's final
+metric; for a metric where lower is better, 2 − that fraction of it).
+
+A method is named as in :mod:`microsparse_lab.methods.names`: a sparsifier (the loop API), a
+sparsifier with ``@ddp`` (microsparse's DDP hook), or a peer (``ddp``, ``fp16``, ``bf16``,
+``powersgd(rank=R)``: DDP with torch's hooks, ``microsparse train --ddp-hook``). ``none``
+(no exchange) is no training method and is refused.
+
+Example:
+    >>> config = AccuracyConfig(rates=("100mbit",), methods=("dense", "micro", "powersgd"))
+    >>> train_arguments("micro@ddp", config)[:6]
+    ['--task', 'mnist', '--density', '0.001', '--sparsifier', 'micro']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import microsparse
+from microsparse_lab.bench import netns
+from microsparse_lab.bench.cluster import machine, wait_for_workers
+from microsparse_lab.methods.names import parse_method
+from microsparse_lab.reports import load_run, write_report
+from microsparse_lab.reports.table import results_table
+from microsparse_lab.training.tasks import available_tasks
+
+DEFAULT_METHODS = (
+    "dense", "micro", "micro@ddp", "ddp", "powersgd", "powersgd(rank=4)", "fp16",
+)  # fmt: skip
+"""What the issue of users asks for: dense, MiCRO (loop and hook), and torch's choices."""
+TARGET_FRACTION = 0.98
+"""Target: 98 % of the dense run's final metric (lower is better: 102 %)."""
+
+
+@dataclass(frozen=True)
+class AccuracyConfig:
+    """One ``microsparse bench accuracy`` run."""
+
+    task: str = "mnist"
+    hosts: int = 4
+    rates: tuple[str, ...] = ("100mbit", "1gbit")
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    density: float = 0.001
+    seed: int = 1
+    target_fraction: float = TARGET_FRACTION
+    train_args: tuple[str, ...] = ()  # given to every ``microsparse train`` (``--epochs 10``)
+    timeout: float = 3600.0  # seconds one training may take
+    out: str = "runs/bench-accuracy"
+
+    def __post_init__(self) -> None:
+        """ValueError ``"FIELD: what is wrong"`` for the first field that cannot work."""
+        if self.task not in available_tasks():
+            raise ValueError(f"task: must be one of {', '.join(available_tasks())}")
+        if self.hosts < 2:
+            raise ValueError(f"hosts must be at least 2, got {self.hosts}")
+        for name in self.methods:
+            try:
+                method = parse_method(name)
+            except ValueError as error:
+                raise ValueError(f"methods: {error}") from None
+            if method.kind in ("none", "floor"):
+                raise ValueError(f"methods: {name!r} trains no model together; leave it out")
+            if method.kind == "hook" and method.one_bucket:
+                raise ValueError(f"methods: {name!r}: microsparse train keeps DDP's buckets; "
+                                 "(buckets=one) is a bench cluster option")  # fmt: skip
+        if "dense" not in self.methods:
+            raise ValueError("methods: must include dense (the target is a fraction of its "
+                             "final metric)")  # fmt: skip
+        if not 0 < self.target_fraction <= 1:
+            raise ValueError(f"target_fraction: must be in (0, 1], got {self.target_fraction}")
+
+
+def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
+    """``microsparse train`` options of method ``name`` (task, density, seed and how the
+    gradients are averaged), before ``config.train_args``."""
+    method = parse_method(name)
+    argv = ["--task", config.task, "--density", repr(method.density_or(config.density))]
+    if method.kind == "peer":
+        argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
+    else:
+        argv += ["--sparsifier", method.sparsifier]
+        argv += ["--integration", "ddp" if method.kind == "hook" else "loop"]
+        if method.one_exchange:
+            argv.append("--one-exchange")
+        if method.min_speedup is not None:
+            argv += ["--min-speedup", repr(method.min_speedup)]
+        for key, value in method.options.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    # On CPU, gloo over the shaped links: on a GPU machine NCCL would bypass them.
+    return [*argv, "--seed", str(config.seed), "--device", "cpu", "--no-progress"]
+
+
+def run_accuracy(
+    config: AccuracyConfig,
+    log: Callable[[str], None] = print,
+    command: str = "",
+    plots: bool = True,
+) -> dict[str, Any]:
+    """Train every method at every rate on the test bed; write and return the results
+    (``results.json`` in ``out``, and each rate's report in ``out/<rate>``; plots need
+    matplotlib)."""
+    import importlib.util
+
+    plots = plots and importlib.util.find_spec("matplotlib") is not None
+
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": command, "config": asdict(config), "machine": machine(), "rates": [],
+    }  # fmt: skip
+    for rate in config.rates:
+        runs_dir = out / rate
+        with netns.Cluster(config.hosts, rate) as cluster:
+            for index, name in enumerate(config.methods):
+                log(f"[{config.hosts} hosts, {rate}] training {name}")
+                started = time.perf_counter()
+                _train(cluster, name, config, runs_dir / _directory(name), 29600 + index)
+                log(f"[{config.hosts} hosts, {rate}] {name}: {time.perf_counter() - started:.0f} s")
+        runs = [load_run(runs_dir / _directory(name), label=name) for name in config.methods]
+        table = results_table(runs, None, config.target_fraction)
+        results["rates"].append({
+            "rate": rate,
+            "target": table.target.value,
+            "target_source": table.target.source,
+            "rows": table.rows,
+            "load_average_after": os.getloadavg(),
+        })  # fmt: skip
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        write_report(runs, runs_dir, None, plots=plots, fraction=config.target_fraction)
+        log((runs_dir / "results.md").read_text(encoding="utf-8"))
+    return results
+
+
+def _directory(name: str) -> str:
+    """A directory name for a method name (``powersgd(rank=4)`` → ``powersgd-rank=4``)."""
+    return name.replace("(", "-").replace(")", "").replace(",", "-").replace("@", "-at-")
+
+
+def _train(
+    cluster: netns.Cluster, name: str, config: AccuracyConfig, run_dir: Path, port: int
+) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    package_root = str(Path(microsparse.__file__).resolve().parent.parent)
+    threads = max(1, (os.cpu_count() or 1) // cluster.hosts)
+    argv = [
+        sys.executable, "-m", "microsparse_lab", "train", *train_arguments(name, config),
+        *config.train_args, "--out", str(run_dir.resolve()),
+    ]  # fmt: skip
+    workers = []
+    for rank in reversed(range(cluster.hosts)):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(cluster.hosts), LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1", MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=cluster.interface(rank), OMP_NUM_THREADS=str(threads),
+            PYTHONPATH=os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")])),
+        )  # fmt: skip
+        log_file = run_dir / f"rank{rank}.log"
+        with open(log_file, "w", encoding="utf-8") as stream:
+            process = cluster.popen(rank, argv, env=env, stdout=stream, stderr=subprocess.STDOUT)
+        workers.append((rank, process, log_file))
+    wait_for_workers(workers, config.timeout, cluster)
+
+
+__all__ = ["DEFAULT_METHODS", "AccuracyConfig", "run_accuracy", "train_arguments"]

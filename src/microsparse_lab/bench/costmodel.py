@@ -1,0 +1,322 @@
+"""An α–β model of one training step: compute + local overhead + the reducer's collectives.
+
+Every link sends β bytes per second after a start-up latency α per message. Collectives are
+the ring algorithms gloo and NCCL use for large messages, with n workers:
+
+- all-reduce of p bytes: 2(n − 1)·(α + p/(nβ)) (reduce-scatter, then all-gather, of p/n chunks);
+- all-gather of m bytes per rank: (n − 1)·(α + m/β);
+- broadcast of m bytes: the faster of a binomial tree, ⌈log2 n⌉·(α + m/β), and a pipelined
+  chain, (n − 1)·α + m/β (libraries pick by message size).
+
+A ring pays 2(n − 1)·α of latency per all-reduce whatever the size. With ``algorithms="best"``
+each collective takes the faster of the ring and recursive doubling (all-reduce
+⌈log2 n⌉·(α + p/β), all-gather ⌈log2 n⌉·α + (n − 1)·m/β), as libraries do for small messages.
+
+The collectives of one step are those ``GradientReducer.synchronize`` issues
+(:func:`reducer_collectives`); a step takes ``compute + overhead + Σ collectives``, nothing
+overlapped (the loop integration runs the exchange after backward).
+
+Example:
+    >>> network = Network(latency=1e-5, bandwidth=1.25e9)   # 10 µs, 10 Gbit/s
+    >>> round(all_reduce_seconds(4_000_000, 4, network) * 1e3, 3)   # 4 MB over 4 workers
+    4.86
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from microsparse.comm.framing import FRAMINGS, Fixed
+from microsparse.engine.step import Guard
+from microsparse.layout import Layout
+from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
+
+GUARD_BYTES = Guard.BYTES
+"""Every rank's non-finite flag and step, all-gathered at the start of every step."""
+FIXED_HEADER_SLOTS = Fixed.header_slots
+"""Index slots of a ``fixed`` message that carry its header instead."""
+
+
+@dataclass(frozen=True)
+class Network:
+    """α (seconds per message) and β (bytes per second per link and direction)."""
+
+    latency: float
+    bandwidth: float
+
+    @classmethod
+    def of(cls, gbit_per_s: float, latency_us: float) -> Network:
+        """A network of ``gbit_per_s`` Gbit/s links with ``latency_us`` µs per message."""
+        return cls(latency_us * 1e-6, gbit_per_s * 1e9 / 8)
+
+
+def all_reduce_seconds(payload_bytes: float, world_size: int, network: Network) -> float:
+    n = world_size
+    if n == 1 or payload_bytes == 0:
+        return 0.0
+    return 2 * (n - 1) * (network.latency + payload_bytes / (n * network.bandwidth))
+
+
+def all_gather_seconds(message_bytes: float, world_size: int, network: Network) -> float:
+    n = world_size
+    if n == 1:
+        return 0.0
+    return (n - 1) * (network.latency + message_bytes / network.bandwidth)
+
+
+def broadcast_seconds(message_bytes: float, world_size: int, network: Network) -> float:
+    n = world_size
+    if n == 1:
+        return 0.0
+    transfer = message_bytes / network.bandwidth
+    tree = math.ceil(math.log2(n)) * (network.latency + transfer)
+    chain = (n - 1) * network.latency + transfer
+    return min(tree, chain)
+
+
+def doubling_all_reduce_seconds(payload_bytes: float, world_size: int, network: Network) -> float:
+    """Recursive doubling: ⌈log2 n⌉ rounds, each exchanging the whole payload."""
+    if world_size == 1 or payload_bytes == 0:
+        return 0.0
+    return math.ceil(math.log2(world_size)) * (network.latency + payload_bytes / network.bandwidth)
+
+
+def doubling_all_gather_seconds(message_bytes: float, world_size: int, network: Network) -> float:
+    """Recursive doubling: ⌈log2 n⌉ rounds, the same (n − 1)·m bytes as the ring."""
+    if world_size == 1:
+        return 0.0
+    rounds = math.ceil(math.log2(world_size))
+    return rounds * network.latency + (world_size - 1) * message_bytes / network.bandwidth
+
+
+_RING = {"all_reduce": all_reduce_seconds, "all_gather": all_gather_seconds,
+         "broadcast": broadcast_seconds}  # fmt: skip
+_DOUBLING = {"all_reduce": doubling_all_reduce_seconds,
+             "all_gather": doubling_all_gather_seconds, "broadcast": broadcast_seconds}  # fmt: skip
+ALGORITHMS = ("ring", "best")
+"""``ring``: every collective as a ring; ``best``: the faster of ring and recursive doubling
+for each collective, as libraries choose by message size (small messages: doubling)."""
+
+
+def collective_seconds(
+    kind: str, size: float, world_size: int, network: Network, algorithms: str = "ring"
+) -> float:
+    """α–β time of one collective (``kind`` as in :func:`reducer_collectives`)."""
+    ring = _RING[kind](size, world_size, network)
+    if algorithms == "ring":
+        return ring
+    if algorithms != "best":
+        raise ValueError(f"algorithms must be one of {', '.join(ALGORITHMS)}, got {algorithms!r}")
+    return min(ring, _DOUBLING[kind](size, world_size, network))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The message sizes of one step of one sparsifier (what the simulator measures)."""
+
+    exchange: str  # the framing's label: "fixed", "padded", "union", "shared" or "dense"
+    numel: int  # d
+    selected: float  # K, distinct positions averaged
+    max_local_selected: float  # indices per rank's index message: max_r k_r, or the capacity
+    agreement_bytes: float = 0  # an all-reduced vector before selection (MiCRO's histogram)
+    plan_bytes: float = 0  # a leader's broadcast plan (CLT-k, DEFT)
+    index_bytes: int = 4  # one index on the wire
+    value_bytes: int = 4  # one value on the wire
+
+
+def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, float]]:
+    """(kind, bytes) of every collective one step issues, in order: the engine's protocol
+    (``microsparse.engine``), with the index exchange as its framing lists it.
+
+    Example:
+        >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
+        >>> reducer_collectives(shape, 4)
+        [('all_gather', 8), ('all_gather', 16), ('all_gather', 1200), ('all_reduce', 4000)]
+    """
+    if world_size == 1:
+        return []
+    steps: list[tuple[str, float]] = [("all_gather", GUARD_BYTES)]
+    if shape.agreement_bytes:
+        steps.append(("all_reduce", shape.agreement_bytes))
+    planned = bool(shape.plan_bytes)
+    if planned:
+        steps.append(("broadcast", shape.plan_bytes))
+    framing = FRAMINGS[shape.exchange]
+    steps += framing.collectives(shape.max_local_selected, shape.index_bytes, planned)
+    values = shape.numel if shape.exchange == "dense" else shape.selected
+    steps.append(("all_reduce", values * shape.value_bytes))
+    return steps
+
+
+def communication_seconds(
+    shape: StepShape, world_size: int, network: Network, algorithms: str = "ring"
+) -> float:
+    """Σ of the α–β times of :func:`reducer_collectives`."""
+    return sum(
+        collective_seconds(kind, size, world_size, network, algorithms)
+        for kind, size in reducer_collectives(shape, world_size)
+    )
+
+
+def step_seconds(
+    shape: StepShape,
+    world_size: int,
+    network: Network,
+    compute: float = 0.0,
+    overhead: float = 0.0,
+    algorithms: str = "ring",
+) -> float:
+    """Predicted step time: ``compute`` (forward + backward) + ``overhead`` (local work of
+    the reducer: selection, packing, write-back) + communication."""
+    return compute + overhead + communication_seconds(shape, world_size, network, algorithms)
+
+
+def scaled(shape: StepShape, numel: int) -> StepShape:
+    """The same sparsifier at another d and the same density: every count scales with d/d₀.
+
+    The fixed-size messages (agreement vector, a plan that is not a list of k positions)
+    keep their size.
+    """
+    factor = numel / shape.numel
+    plan = shape.plan_bytes
+    return StepShape(
+        shape.exchange,
+        numel,
+        shape.selected * factor,
+        shape.max_local_selected * factor,
+        shape.agreement_bytes,
+        plan * factor if plan and _plan_is_positions(shape) else plan,
+        shape.index_bytes,
+        shape.value_bytes,
+    )
+
+
+def _plan_is_positions(shape: StepShape) -> bool:
+    # A plan of exactly K indices (CLT-k's leader top-k) grows with d; others (DEFT's
+    # per-fragment table) depend on the layout only.
+    return math.isclose(shape.plan_bytes, shape.selected * shape.index_bytes, rel_tol=0.01)
+
+
+def describe() -> dict[str, Any]:
+    """The model's formulas, for the JSON records."""
+    return {
+        "all_reduce": "2(n-1)(alpha + p/(n beta))",
+        "all_gather": "(n-1)(alpha + m/beta), m per rank",
+        "broadcast": "min(ceil(log2 n)(alpha + m/beta), (n-1) alpha + m/beta)",
+        "best": "min(ring, recursive doubling): all-reduce ceil(log2 n)(alpha + p/beta), "
+        "all-gather ceil(log2 n) alpha + (n-1) m/beta",
+        "step": "compute + overhead + sum of the reducer's collectives",
+    }
+
+
+def validate_against_cluster(
+    results: dict[str, Any],
+    latency_us: float,
+    shapes: dict[tuple[str, int], StepShape] | None = None,
+    local_exchange_ms: Callable[[str, int, int], float | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Compare the model with ``microsparse bench cluster``'s ``results.json``.
+
+    Format assumed (``microsparse_lab.bench.cluster``): ``configurations``, each with ``hosts``,
+    ``rate``, ``probe`` (``nominal_gbit_per_s``; achieved ``wire_gbit_per_s`` or
+    ``modelled_gbit_per_s``) and ``rows``, one per sparsifier, with ``parameters`` (d),
+    ``density`` (K/d), ``step_ms``, ``compute_ms``, ``select_ms``, ``exchange_ms``,
+    ``other_ms`` and (if present) ``wait_ms`` (medians over steps of the mean over workers).
+    The sparsifier ``none`` (no exchange) is skipped.
+
+    Each row's messages come from its measured density (K = density·d) and ``config.density``;
+    the padded index message and the fixed-size messages come from ``shapes[(sparsifier,
+    n)]`` (a simulator run) scaled to K when given, else from a balanced split (max_r k_r =
+    K/n) and, for CLT-k, a plan of K indices; a ``fixed`` message has the sparsifier's own
+    capacity. Predicted exchange = the α–β time of the reducer's collectives at
+    the nominal and at the probed link rate, and (with ``local_exchange_ms(name, d, n)``) the
+    probed one plus the CPU work the exchange phase does besides waiting on the network;
+    predicted step = the measured compute, wait, select and other times + the predicted
+    exchange.
+    """
+    from torch import Size
+
+    known = set(available_sparsifiers())
+    density = results.get("config", {}).get("density", 0.001)
+    rows = []
+    for configuration in results.get("configurations", []):
+        n, probe = configuration["hosts"], configuration.get("probe", {})
+        rates = {"nominal": probe.get("nominal_gbit_per_s")}
+        rates["probed"] = probe.get("wire_gbit_per_s") or probe.get("modelled_gbit_per_s")
+        for row in configuration["rows"]:
+            name = row["sparsifier"]
+            if name not in known or row.get("density") is None:
+                continue
+            sparsifier = create_sparsifier(name, density)
+            numel = row["parameters"]
+            sparsifier.bind(Layout(("flat",), (Size([numel]),), (0,), numel), 0, n)
+            selected = row["density"] * numel
+            framing = sparsifier.framing()
+            shape = _measured_shape(name, framing.label, numel, selected, n, shapes)
+            if isinstance(framing, Fixed):
+                shape = replace(shape, max_local_selected=framing.capacity)
+            record = {
+                "hosts": n,
+                "rate": configuration["rate"],
+                "sparsifier": name,
+                "measured_step_ms": row["step_ms"],
+                "measured_exchange_ms": row["exchange_ms"],
+            }
+            local = sum(
+                row.get(f"{part}_ms", 0.0) for part in ("compute", "wait", "select", "other")
+            )
+            cpu = local_exchange_ms(name, numel, n) if local_exchange_ms else None
+            for label, gbit in rates.items():
+                if not gbit:
+                    continue
+                network = Network.of(gbit, latency_us)
+                exchange_ms = 1e3 * communication_seconds(shape, n, network)
+                predictions = {label: exchange_ms}
+                if label == "probed" and cpu is not None:
+                    record["local_exchange_ms"] = cpu
+                    predictions["probed_plus_local"] = exchange_ms + cpu
+                for key, value in predictions.items():
+                    record[f"predicted_exchange_ms_{key}"] = value
+                    record[f"predicted_step_ms_{key}"] = local + value
+                    record[f"step_ratio_{key}"] = (local + value) / row["step_ms"]
+            rows.append(record)
+    return rows
+
+
+def _measured_shape(
+    name: str,
+    exchange: str,
+    numel: int,
+    selected: float,
+    world_size: int,
+    shapes: dict[tuple[str, int], StepShape] | None,
+) -> StepShape:
+    simulated = _nearest(shapes or {}, name, world_size)
+    if simulated is not None and simulated.selected:
+        factor = selected / simulated.selected
+        plan = simulated.plan_bytes
+        return StepShape(
+            exchange,
+            numel,
+            selected,
+            simulated.max_local_selected * factor,
+            simulated.agreement_bytes,
+            plan * factor if plan and _plan_is_positions(simulated) else plan,
+            simulated.index_bytes,
+            simulated.value_bytes,
+        )
+    plan = selected * 4 if name == "cltk" else 0
+    return StepShape(exchange, numel, selected, selected / world_size, 0, plan)
+
+
+def _nearest(
+    shapes: dict[tuple[str, int], StepShape], name: str, world_size: int
+) -> StepShape | None:
+    sizes = [n for label, n in shapes if label == name]
+    if not sizes:
+        return None
+    best = min(sizes, key=lambda n: abs(math.log2(n) - math.log2(world_size)))
+    return shapes[(name, best)]

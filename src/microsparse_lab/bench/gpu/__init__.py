@@ -1,0 +1,1 @@
+"""The parts of ``python -m microsparse_lab.bench.gpu_check``: checks, steps, selection, report."""

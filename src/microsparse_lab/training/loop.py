@@ -1,0 +1,295 @@
+"""The per-worker training loop: any registered task, averaged by a sparsifier.
+
+One step: forward and backward on this rank's batch; optionally save the local gradient;
+average the gradients (``GradientReducer.synchronize()``, or DDP's hook during backward); clip
+the average if the recipe says so; ``optimizer.step()`` on the average. Rank 0 evaluates after
+every epoch and writes ``metrics.jsonl``, ``epochs.jsonl`` and ``summary.json`` in ``out``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from microsparse.comm.collectives import all_reduce_bytes
+from microsparse.ddp import SparseState, sparse_hook
+from microsparse.reducer import GradientReducer
+from microsparse.stats import StepStats
+from microsparse_lab.methods.hooks import attach_method
+from microsparse_lab.methods.names import parse_method
+from microsparse_lab.methods.traffic import peer_bytes
+from microsparse_lab.training.capture import GradientCapture
+from microsparse_lab.training.checkpoint import Position, Resumable, load_checkpoint, load_model
+from microsparse_lab.training.config import TrainConfig
+from microsparse_lab.training.log import RunLog
+from microsparse_lab.training.optim import build_optimizer, learning_rate
+from microsparse_lab.training.tasks import Task, get_task
+
+__all__ = ["TrainConfig", "train"]
+
+
+def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
+    """Train on this rank of an initialised process group; rank 0 writes the run's files.
+
+    Every rank must call it with the same config. ``data`` is the task's loaded data (loaded
+    here if None).
+
+    Example:
+        >>> dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29500",  # doctest: +SKIP
+        ...                         rank=0, world_size=1)
+        >>> train(TrainConfig(task="lm", max_steps=5, out="runs/smoke"))  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    config = config.resolved()
+    task = get_task(config.task)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
+    if data is None:
+        data = task.load(config.data_dir, config.task_options)
+    torch.manual_seed(config.seed * 65_537 + rank)  # dropout and augmentation differ per rank
+    model = task.build_model(config.model, data, config.seed, config.model_options).to(device)
+    for parameter in model.parameters():  # identical start on every rank, whatever its RNG did
+        dist.broadcast(parameter.data, src=0)
+    if config.resume:  # parameters first: DDP broadcasts rank 0's when it wraps the model
+        shared, own = load_checkpoint(config.out, rank)
+        load_model(model, shared, own)
+    steps_per_epoch = steps_in_epoch(task, data, config, world_size)
+    averaging = Averaging(model, config, steps_per_epoch)
+    optimizer = build_optimizer(model, config)
+    run = Resumable(model, optimizer, averaging, device)
+    start, carried, seconds_before = Position(), None, 0.0
+    if config.resume:
+        start, carried, seconds_before = run.restore(shared, own)
+    total_steps = config.epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    capture = None
+    if config.capture_gradients and config.capture_steps:
+        capture = GradientCapture(config.capture_gradients, config.capture_steps, rank)
+        capture.write_layout(model, config.task, config.model, world_size)
+    log = None
+    if rank == 0:
+        log = RunLog(config, task.metrics, total_steps, start if config.resume else None)
+
+    def checkpoint(at: Position, epoch_state: dict[str, Any] | None) -> None:
+        seconds = seconds_before + time.perf_counter() - started
+        run.save(config.out, at, epoch_state, seconds, asdict(config))
+
+    position, step, batches = start, start.step, None
+    for epoch in range(start.epoch, config.epochs):
+        if step >= total_steps:
+            break
+        batches = task.epoch(
+            data, config.task_options, epoch=epoch, rank=rank, world_size=world_size,
+            batch_size=config.batch_size, seed=config.seed, device=device,
+        )  # fmt: skip
+        first = start.batch if epoch == start.epoch else 0
+        if epoch == start.epoch and carried is not None:
+            batches.load_state_dict(carried)
+        last = min(batches.steps, first + total_steps - step)
+        for index in range(first, last):
+            lr = learning_rate(config, step, steps_per_epoch, world_size)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            step_started = time.perf_counter()
+            optimizer.zero_grad()
+            loss = batches.loss(averaging.model, index)
+            loss.backward()
+            if capture is not None:
+                capture.save(model, step)
+            _wait_for(device)
+            compute_seconds = time.perf_counter() - step_started
+            stats = averaging.synchronize()
+            if config.clip:
+                nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+            optimizer.step()
+            mean_loss = _mean_over_ranks(loss.detach())
+            step_seconds = time.perf_counter() - step_started
+            if log:
+                log.step(step, epoch, mean_loss, lr, compute_seconds, step_seconds, stats)
+            step += 1
+            position = Position(epoch, index + 1, step)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                checkpoint(position, batches.state_dict())
+        if log:
+            model.eval()
+            log.epoch(epoch, step, task.evaluate(model, data, config.task_options))
+            model.train()
+        dist.barrier()  # the other ranks wait while rank 0 evaluates
+        if last == batches.steps:
+            position = Position(epoch + 1, 0, step)
+            if config.checkpoint_per_epoch:
+                checkpoint(position, None)
+    if config.checkpointing:
+        if position.batch == 0:
+            checkpoint(position, None)
+        else:  # stopped mid-epoch (or resumed there with nothing left to run)
+            checkpoint(position, carried if batches is None else batches.state_dict())
+    if log:
+        wall = seconds_before + time.perf_counter() - started
+        parameters = sum(p.numel() for p in model.parameters())
+        log.finish(averaging.options(), world_size, wall, parameters, averaging.speed_choice())
+
+
+def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) -> int:
+    """Steps per epoch, the same on every rank; ValueError if the global batch is too large."""
+    steps = task.steps_per_epoch(data, config.task_options, world_size, config.batch_size)
+    if steps == 0:
+        raise ValueError(
+            f"batch_size {config.batch_size} x {world_size} workers is larger than one epoch "
+            f"of task {task.name}'s training data; use a smaller batch_size or fewer workers"
+        )
+    return steps
+
+
+class Averaging:
+    """How gradients are averaged: ``GradientReducer`` after backward, DDP's comm hook, or
+    (``ddp_hook``) DDP with one of torch's hooks, for comparison (:class:`PeerAveraging`).
+
+    With ``ddp`` the exchange overlaps the backward pass, so the step's compute time includes
+    what of it was not hidden, and the statistics come from the hook's state.
+    """
+
+    def __init__(self, model: nn.Module, config: TrainConfig, steps_per_epoch: int) -> None:
+        self.model = model
+        self._reducer: GradientReducer | None = None
+        self._state: SparseState | None = None
+        self._peer: PeerAveraging | None = None
+        options: dict[str, Any] = config.sparsifier_options()
+        if config.min_speedup is None:  # whose dense passes are DDP's own, which cannot raise
+            # A run that diverges stops with the error on every rank (the loop reads every
+            # step's loss anyway, so the host check costs nothing more).
+            options["nonfinite"] = "raise"
+        if config.momentum_correction:  # the optimiser then runs without momentum
+            options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
+        if config.adam_correction:  # the optimiser is then plain SGD at Adam's rate
+            options["adam_correction"] = (*config.betas, 1e-8)  # torch's Adam's eps
+        if config.value_dtype is not None:
+            options["value_dtype"] = getattr(torch, config.value_dtype)
+        if config.density_warmup is not None:
+            start, epochs = config.density_warmup
+            options["density_warmup"] = (start, max(1, round(epochs * steps_per_epoch)))
+        if config.ddp_hook != "microsparse":
+            self._peer = PeerAveraging(model, config.ddp_hook)
+            self.model = self._peer.model
+        elif config.integration == "ddp":
+            self._state = SparseState(
+                config.sparsifier, config.density, timeout=config.timeout,
+                one_exchange=config.one_exchange, min_speedup=config.min_speedup,
+                **options,
+            )  # fmt: skip
+            self.model = DistributedDataParallel(model)
+            self.model.register_comm_hook(self._state, sparse_hook)
+        else:
+            self._reducer = GradientReducer(
+                model.named_parameters(), config.sparsifier, config.density, **options
+            )
+
+    def synchronize(self) -> StepStats:
+        if self._peer is not None:
+            return self._peer.step()
+        if self._reducer is not None:
+            return self._reducer.synchronize()
+        assert self._state is not None and self._state.last_step is not None
+        return self._state.last_step
+
+    def options(self) -> dict[str, Any]:
+        if self._peer is not None:
+            return {"ddp_hook": self._peer.name}
+        if self._reducer is not None:
+            return self._reducer.sparsifier.options()
+        assert self._state is not None
+        return self._state.options
+
+    def speed_choice(self) -> dict[str, Any] | None:
+        """The hook's ``min_speedup`` choice and every rank's medians, if it has one."""
+        speed = None if self._state is None else self._state.speed
+        return None if speed is None else speed.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._peer is not None:
+            return self._peer.state_dict()
+        source = self._reducer if self._reducer is not None else self._state
+        assert source is not None
+        return source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._peer is not None:
+            self._peer.load_state_dict(state)
+            return
+        source = self._reducer if self._reducer is not None else self._state
+        assert source is not None
+        source.load_state_dict(state)
+
+
+POWERSGD_START = 2
+"""Steps of plain all-reduce before PowerSGD compresses (torch's ``start_powerSGD_iter``),
+unless its name sets ``start=``."""
+
+
+class PeerAveraging:
+    """DDP with one of torch's hooks (or none: stock DDP), for comparison with microsparse.
+
+    They report no selection, so each step's :class:`StepStats` is the model's:
+    every entry averaged, the bytes of :func:`microsparse_lab.methods.traffic.peer_bytes`.
+    PowerSGD runs as :func:`~microsparse_lab.methods.hooks.attach_method` sets it up: one
+    bucket holding the whole model (torch's hook raced on gloo with DDP's buckets), a plain
+    all-reduce for the first ``POWERSGD_START`` steps or the name's ``start=`` (counted as
+    dense bytes) and compression from then on, its state kept per parameter so that
+    checkpoints resume it
+    (:class:`microsparse_lab.methods.powersgd.PowerSGD`).
+    """
+
+    def __init__(self, model: nn.Module, name: str) -> None:
+        self.name = name
+        method = parse_method(name)
+        self.model, self._powersgd = attach_method(method, model, density=1.0,
+                                                  start=POWERSGD_START, checkpointable=True)
+        powersgd = method.sparsifier == "powersgd"
+        self._start = method.compresses_from(POWERSGD_START) if powersgd else 0
+        self.steps = 0
+        shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+        self._numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._world_size = dist.get_world_size()
+        self._bytes = peer_bytes(name, shapes, self._world_size)
+        self._dense = all_reduce_bytes(4 * self._numel, self._world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and PowerSGD's state (the other hooks keep none)."""
+        state: dict[str, Any] = {"steps": self.steps}
+        if self._powersgd is not None:
+            state["powersgd"] = self._powersgd.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        if self._powersgd is not None:
+            self._powersgd.load_state_dict(state["powersgd"])
+
+    def step(self) -> StepStats:
+        d, n = self._numel, self._world_size
+        stats = StepStats(
+            step=self.steps, numel=d, world_size=n, selected=d, target=d,
+            threshold=float("nan"), local_selected=d, max_local_selected=d, partition=None,
+            bytes_sent=self._bytes if self.steps >= self._start else self._dense,
+            dense_bytes=self._dense, select_seconds=0.0, exchange="dense",
+            exchange_seconds=0.0, proposed=d,
+        )  # fmt: skip
+        self.steps += 1
+        return stats
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() / dist.get_world_size()
+
+
+def _wait_for(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels run asynchronously: time them, not their launch
+        torch.cuda.synchronize(device)

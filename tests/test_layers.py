@@ -1,0 +1,178 @@
+"""The architecture, read from the imports: the library below, the harness above, one way.
+
+``microsparse`` (the library) never imports ``microsparse_lab`` (the harness); inside each,
+every module belongs to a layer and imports only from its own layer or those below; no
+module imports itself back through others; and every import of the project's modules sits at
+the top of its file, where it can be seen (an import inside a function would hide a circle).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PROJECT = ("microsparse", "microsparse_lab")
+
+LAYERS = [
+    ["microsparse.errors", "microsparse.stats", "microsparse.layout", "microsparse.ranks"],
+    ["microsparse.comm", "microsparse.feedback"],
+    ["microsparse.sparsifiers"],
+    ["microsparse.engine"],
+    ["microsparse.reducer", "microsparse.ddp"],
+    ["microsparse.fsdp", "microsparse.lightning", "microsparse"],
+    ["microsparse_lab.methods", "microsparse_lab.arguments"],
+    ["microsparse_lab.training", "microsparse_lab.reports"],
+    ["microsparse_lab.bench"],
+    ["microsparse_lab.cli", "microsparse_lab.__main__", "microsparse_lab"],
+]
+"""From the bottom up; a module belongs to the longest name listed that contains it."""
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PROJECT:
+        for path in sorted((SRC / package).rglob("*.py")):
+            parts = path.relative_to(SRC).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+MODULES = modules()
+
+
+def imports(path: Path, text: str | None = None) -> Iterator[tuple[str, int, bool]]:
+    """(module imported, line, at the top of the file?) for each import of the project in the
+    file at ``path`` (or in ``text``, as if it were that file)."""
+    tree = ast.parse(path.read_text(encoding="utf-8") if text is None else text)
+    top = set(map(id, tree.body))
+    package = ".".join(path.relative_to(SRC).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package this file is in
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # ``from a.b import c`` imports the module a.b.c where c is one, else a.b
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] in PROJECT:
+                yield target, node.lineno, id(node) in top
+
+
+def layer(module: str) -> int:
+    owners = [
+        (len(name), index)
+        for index, names in enumerate(LAYERS)
+        for name in names
+        if module == name or module.startswith(name + ".")
+    ]
+    assert owners, f"{module} is in no layer of LAYERS: add it there"
+    return max(owners)[1]
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {t for t, _, _ in imports(path) if t != name} for name, path in MODULES.items()}
+
+
+def test_the_library_never_imports_the_harness() -> None:
+    upward = [
+        f"{MODULES[name].relative_to(SRC)}:{line} imports {target}"
+        for name in MODULES
+        if name.split(".")[0] == "microsparse"
+        for target, line, _ in imports(MODULES[name])
+        if target.split(".")[0] == "microsparse_lab"
+    ]
+    assert upward == []
+
+
+def test_every_import_goes_down_the_layers() -> None:
+    upward = [
+        f"{MODULES[name].relative_to(SRC)}:{line} imports {target} from a higher layer"
+        for name in MODULES
+        for target, line, _ in imports(MODULES[name])
+        if layer(target) > layer(name)
+    ]
+    assert upward == []
+
+
+def test_no_circle_of_imports() -> None:
+    edges = graph()
+    circles = [scc for scc in strongly_connected(edges) if len(scc) > 1]
+    assert circles == []
+
+
+def test_project_imports_sit_at_the_top_of_their_files() -> None:
+    hidden = [
+        f"{MODULES[name].relative_to(SRC)}:{line} imports {target} inside a function"
+        for name in MODULES
+        for target, line, at_top in imports(MODULES[name])
+        if not at_top
+    ]
+    assert hidden == []
+
+
+@pytest.mark.parametrize(
+    ("edges", "expected"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": set()}, []),
+    ],
+)
+def test_the_circle_finder_finds_circles(edges: dict[str, set[str]], expected: list) -> None:
+    assert [sorted(s) for s in strongly_connected(edges) if len(s) > 1] == expected
+
+
+def test_the_checks_see_an_import_inside_a_function() -> None:
+    found = list(imports(MODULES["microsparse.engine.step"]))
+    assert found and all(at_top for _, _, at_top in found)  # what the checks above read
+    text = "import torch\nfrom .. import errors\n\ndef f():\n    from microsparse_lab import cli\n"
+    assert list(imports(MODULES["microsparse.engine.step"], text)) == [
+        ("microsparse.errors", 2, True),
+        ("microsparse_lab.cli", 5, False),
+    ]
+
+
+def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of the import graph."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            found.append(component)
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
