@@ -275,11 +275,7 @@ class SparseStep:
         # If no rank used a parameter, DDP drops its average: what was sent there would be lost.
         unused = _inside(positions, exclude) if exclude and fixed else None
         values = self._values(positions, unused, skipped, scale)
-        summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
-        averaged = summed.to(accumulated.dtype) if self.value_dtype else summed
-        averaged.div_(self.world_size)
-        if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
-            averaged.masked_fill_(skipped, math.nan)
+        averaged = yield from self._average(values, accumulated.dtype, skipped, clock)
         output.write(positions, averaged)
         sparsifier.update(positions.numel())
         return StepReport(
@@ -297,6 +293,17 @@ class SparseStep:
             message_bytes=clock.message_bytes(),
             skipped=False if skipped is None else Pending(skipped.item),
         )
+
+    def _average(
+        self, values: torch.Tensor, dtype: torch.dtype, skipped: torch.Tensor | None, clock: _Clock
+    ) -> Generator[Collective, torch.Tensor, torch.Tensor]:
+        """The values every rank sent, summed over ranks and divided by n, in ``dtype``."""
+        summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
+        averaged = summed.to(dtype) if self.value_dtype else summed
+        averaged.div_(self.world_size)
+        if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
+            averaged.masked_fill_(skipped, math.nan)
+        return averaged
 
     def _read_guard(self, sync_free: bool) -> bool:
         """Whether this step reads its guard on the host."""

@@ -31,6 +31,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "Progress (the plan, then a bar with the time left) goes to stderr. Writes simulate.json, "
         "simulate.md, simulate.png (and predict.png) to --out.",
     )
+    _add_simulation_options(parser, full)
+    _add_prediction_options(parser, model)
+    add = parser.add_argument
+    add(
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        default=None,
+        help="take the simulation from an earlier simulate.json instead of running it (to "
+        "redo the prediction or the validation)",
+    )
+    add("--quick", action="store_true", help=f"n = {','.join(map(str, QUICK['workers']))}, "
+        f"{QUICK['steps']} steps")  # fmt: skip
+    bench_options.add_common(parser, "simulate")
+    parser.set_defaults(run=_run, parser=parser)
+
+
+def _add_simulation_options(parser: argparse.ArgumentParser, full: simulate.SimulateConfig) -> None:
     add = parser.add_argument
     add(
         "--workers",
@@ -93,6 +111,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=full.value_dtype,
         help="values on the wire, as GradientReducer's value_dtype (default: %(default)s)",
     )
+
+
+def _add_prediction_options(parser: argparse.ArgumentParser, model: simulate.PredictConfig) -> None:
+    add = parser.add_argument
     add(
         "--predict",
         action="store_true",
@@ -156,18 +178,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="results.json of microsparse bench cluster, to validate the model against",
     )
-    add(
-        "--from",
-        dest="from_file",
-        metavar="FILE",
-        default=None,
-        help="take the simulation from an earlier simulate.json instead of running it (to "
-        "redo the prediction or the validation)",
-    )
-    add("--quick", action="store_true", help=f"n = {','.join(map(str, QUICK['workers']))}, "
-        f"{QUICK['steps']} steps")  # fmt: skip
-    bench_options.add_common(parser, "simulate")
-    parser.set_defaults(run=_run, parser=parser)
 
 
 def _peers(text: str) -> tuple[str, ...]:

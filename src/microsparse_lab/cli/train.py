@@ -53,8 +53,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--workers local processes, or runs as one rank under torchrun. Tasks: " + tasks + ". "
         "Hyper-parameters left out come from the task's recipe (the paper's for real data).",
     )
-    what = train.add_argument_group("what to train")
-    add = what.add_argument
+    _add_task_options(train.add_argument_group("what to train"))
+    averaging = train.add_argument_group("gradient averaging")
+    _add_averaging_options(averaging)
+    _add_integration_options(averaging)
+    _add_recipe_options(train.add_argument_group("recipe (default: the task's)"))
+    _add_run_options(train.add_argument_group("the run"))
+    train.set_defaults(run=_train, parser=train)
+
+
+def _add_task_options(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
     add("--task", choices=available_tasks(), default=None, help="(default: mnist)")
     add("--model", default=None, help="a model of the task: " + _per_task(_models))
     add("--data-dir", default=None, help="real data (default: the task's embedded data)")
@@ -79,8 +88,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="JSON object of options, keyed by TrainConfig field names (e.g. lr, betas, "
         "model_options); the command line wins",
     )
-    averaging = train.add_argument_group("gradient averaging")
-    add = averaging.add_argument
+
+
+def _add_averaging_options(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
     add(
         "--workers",
         type=arguments.positive_int,
@@ -151,6 +162,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="start at density START and decay exponentially to --density over EPOCHS "
         "epochs (the extra traffic counts in the run's mean density)",
     )
+
+
+def _add_integration_options(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
     add(
         "--integration",
         choices=("loop", "ddp"),
@@ -183,8 +198,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "if its step is at least X times faster, else average densely as DDP does (default: "
         "always sparse)",
     )
-    recipe = train.add_argument_group("recipe (default: the task's)")
-    add = recipe.add_argument
+
+
+def _add_recipe_options(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
     add("--epochs", type=arguments.positive_int)
     add("--batch-size", type=arguments.positive_int, help="per worker")
     add("--optimizer", choices=("sgd", "adam"))
@@ -201,8 +218,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--decay-epochs", type=_epoch_list, help="comma-separated epochs where lr decays")
     add("--decay-factor", type=arguments.positive_float)
     add("--clip", type=_non_negative, help="max norm of the averaged gradient (0: none)")
-    run = train.add_argument_group("the run")
-    add = run.add_argument
+
+
+def _add_run_options(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
     add(
         "--seed",
         type=int,
@@ -251,7 +270,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add("--capture-steps", type=arguments.positive_int, help="(default: 1)")
     add("--no-progress", action="store_true", help="no progress bar")
-    train.set_defaults(run=_train, parser=train)
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

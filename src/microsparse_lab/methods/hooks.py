@@ -75,5 +75,3 @@ def bfloat16_hook(process_group, bucket):  # type: ignore[no-untyped-def]
         return buffer
 
     return work.get_future().then(decompress)
-
-

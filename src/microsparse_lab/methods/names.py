@@ -326,5 +326,3 @@ def _arguments(name: str, text: str) -> dict[str, str]:
     if any(len(pair) != 2 for pair in pairs):
         raise ValueError(f"method {name!r}: options are key=value")
     return dict(pairs)  # type: ignore[arg-type]
-
-

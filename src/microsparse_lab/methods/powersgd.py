@@ -79,8 +79,12 @@ class PowerSGD:
             "error": pieces["error"],
             "p_memory": pieces["p"],
             "q_memory": pieces["q"],
-            "rng": {"keys": torch.from_numpy(keys.astype("int64")), "position": int(position),
-                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},  # fmt: skip
+            "rng": {
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "position": int(position),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },  # fmt: skip
             "numel": [state.total_numel_before_compression, state.total_numel_after_compression],
             "next_stats_report": state.next_stats_report,
         }

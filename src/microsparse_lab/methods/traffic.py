@@ -28,7 +28,6 @@ Example:
     [('all_reduce', 296), ('all_reduce', 296), ('all_reduce', 364)]
 """
 
-
 from __future__ import annotations
 
 import math

@@ -142,118 +142,117 @@ class TrainConfig:
 
     def check(self, task: Task) -> None:
         """Raise ConfigError naming the first field whose value cannot work."""
-        _require(self.optimizer in ("sgd", "adam"), "optimizer", "must be sgd or adam")
-        _require(self.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
-        if self.ddp_hook != "microsparse":
-            _check_peer(self)
-        _require(
-            not self.one_exchange
-            or (self.integration == "ddp" and self.ddp_hook == "microsparse"),
-            "one_exchange",
-            "is an option of microsparse's DDP hook: add --integration ddp (and no --ddp-hook)",
-        )
-        if self.min_speedup is not None:
-            _require(
-                self.integration == "ddp" and self.ddp_hook == "microsparse",
-                "min_speedup",
-                "is an option of microsparse's DDP hook: add --integration ddp (and no "
-                "--ddp-hook)",
-            )
-            _require(_number(self.min_speedup, low=0, open_low=True), "min_speedup",
-                     "must be a finite number > 0")  # fmt: skip
-            _require(
-                self.sparsifier != "dense" and self.density < 1,
-                "min_speedup",
-                "chooses between sparse and dense averaging: it needs a sparsifier that "
-                "selects (not dense, density below 1)",
-            )
-            for clash, undo in (("momentum_correction", "drop --momentum-correction"),
-                                ("adam_correction", "add --no-adam-correction")):
-                _require(not getattr(self, clash), "min_speedup",
-                         f"may average some steps densely, which {clash} does not support: "
-                         f"drop --min-speedup, or {undo}")  # fmt: skip
-        _require(
-            not (self.capture_gradients and self.integration != "loop"),
-            "capture_gradients",
-            "needs integration loop (the DDP hook averages gradients during backward)",
-        )
-        for name in ("epochs", "batch_size"):
-            _require(_whole(getattr(self, name), 1), name, "must be a whole number >= 1")
-        _require(_whole(self.lr_reference_batch, 0), "lr_reference_batch", "must be >= 0")
-        _require(_number(self.lr, low=0, open_low=True), "lr", "must be a finite number > 0")
-        _require(_number(self.momentum, 0, 1), "momentum", "must be in [0, 1)")
-        for name in ("weight_decay", "warmup_epochs", "clip"):
-            _require(_number(getattr(self, name), 0), name, "must be a finite number >= 0")
-        _require(_number(self.decay_factor, 0, open_low=True), "decay_factor", "must be > 0")
-        _require(
-            all(_whole(epoch, 0) for epoch in self.decay_epochs),
-            "decay_epochs",
-            "must be whole numbers >= 0",
-        )
-        _require(
-            len(self.betas) == 2 and all(_number(beta, 0, 1) for beta in self.betas),
-            "betas",
-            "must be two numbers in [0, 1)",
-        )
-        if self.momentum_correction:
-            _require(
-                self.optimizer == "sgd" and bool(self.momentum),
-                "momentum_correction",
-                "moves SGD's momentum into the error feedback: it needs optimizer sgd with "
-                "momentum > 0",
-            )
-            _require(
-                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
-                "momentum_correction",
-                "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
-            )
-        if self.value_dtype is not None:
-            _require(
-                self.value_dtype in VALUE_DTYPES,
-                "value_dtype",
-                f"must be one of {', '.join(VALUE_DTYPES)}; got {self.value_dtype!r}",
-            )
-            _require(
-                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
-                "value_dtype",
-                "narrows the values a sparsifier sends (not dense, not a --ddp-hook peer)",
-            )
-        if self.adam_correction:
-            _require(
-                self.optimizer == "adam" and not self.weight_decay,
-                "adam_correction",
-                "moves Adam into the error feedback: it needs optimizer adam without weight "
-                "decay",
-            )
-            _require(
-                not self.clip,
-                "adam_correction",
-                "the averaged values are Adam steps, and --clip would cap their norm instead of "
-                "the gradients': train with --clip 0",
-            )
-            _require(
-                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
-                "adam_correction",
-                "needs a sparsifier with error feedback (not dense, not a --ddp-hook peer)",
-            )
-        if self.density_warmup is not None:
-            warmup = self.density_warmup
-            _require(
-                isinstance(warmup, (list, tuple))
-                and len(warmup) == 2
-                and _number(warmup[0], self.density, math.nextafter(1.0, 2.0), open_low=True)
-                and _number(warmup[1], 0, open_low=True),
-                "density_warmup",
-                f"must be START,EPOCHS with density ({self.density:g}) < START <= 1 and "
-                "EPOCHS > 0, e.g. 0.01,0.5",
-            )
-            _require(
-                self.sparsifier != "dense" and self.ddp_hook == "microsparse",
-                "density_warmup",
-                "needs a sparsifier that selects (not dense, not a --ddp-hook peer)",
-            )
+        _check_integration(self)
+        _check_recipe(self)
+        _check_sparse_options(self)
         _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
         _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")
+
+
+def _check_integration(config: TrainConfig) -> None:
+    """How the gradients are averaged: the loop, DDP's hook, a peer, and their options."""
+    _require(config.optimizer in ("sgd", "adam"), "optimizer", "must be sgd or adam")
+    _require(config.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
+    if config.ddp_hook != "microsparse":
+        _check_peer(config)
+    microsparse_hook = config.integration == "ddp" and config.ddp_hook == "microsparse"
+    only_the_hook = (
+        "is an option of microsparse's DDP hook: add --integration ddp (and no --ddp-hook)"
+    )
+    _require(not config.one_exchange or microsparse_hook, "one_exchange", only_the_hook)
+    if config.min_speedup is not None:
+        _require(microsparse_hook, "min_speedup", only_the_hook)
+        _require(_number(config.min_speedup, low=0, open_low=True), "min_speedup",
+                 "must be a finite number > 0")  # fmt: skip
+        _require(
+            config.sparsifier != "dense" and config.density < 1,
+            "min_speedup",
+            "chooses between sparse and dense averaging: it needs a sparsifier that "
+            "selects (not dense, density below 1)",
+        )
+        for clash, undo in (
+            ("momentum_correction", "drop --momentum-correction"),
+            ("adam_correction", "add --no-adam-correction"),
+        ):
+            _require(not getattr(config, clash), "min_speedup",
+                     f"may average some steps densely, which {clash} does not support: "
+                     f"drop --min-speedup, or {undo}")  # fmt: skip
+    _require(
+        not (config.capture_gradients and config.integration != "loop"),
+        "capture_gradients",
+        "needs integration loop (the DDP hook averages gradients during backward)",
+    )
+
+
+def _check_recipe(config: TrainConfig) -> None:
+    """The optimiser's and the schedule's numbers."""
+    for name in ("epochs", "batch_size"):
+        _require(_whole(getattr(config, name), 1), name, "must be a whole number >= 1")
+    _require(_whole(config.lr_reference_batch, 0), "lr_reference_batch", "must be >= 0")
+    _require(_number(config.lr, low=0, open_low=True), "lr", "must be a finite number > 0")
+    _require(_number(config.momentum, 0, 1), "momentum", "must be in [0, 1)")
+    for name in ("weight_decay", "warmup_epochs", "clip"):
+        _require(_number(getattr(config, name), 0), name, "must be a finite number >= 0")
+    _require(_number(config.decay_factor, 0, open_low=True), "decay_factor", "must be > 0")
+    _require(
+        all(_whole(epoch, 0) for epoch in config.decay_epochs),
+        "decay_epochs",
+        "must be whole numbers >= 0",
+    )
+    _require(
+        len(config.betas) == 2 and all(_number(beta, 0, 1) for beta in config.betas),
+        "betas",
+        "must be two numbers in [0, 1)",
+    )
+
+
+def _check_sparse_options(config: TrainConfig) -> None:
+    """The options of a sparsifier with error feedback, and what each needs of the recipe."""
+
+    def require_sparse(name: str, what: str) -> None:
+        _require(config.sparsifier != "dense" and config.ddp_hook == "microsparse", name,
+                 f"{what} (not dense, not a --ddp-hook peer)")  # fmt: skip
+
+    if config.momentum_correction:
+        _require(
+            config.optimizer == "sgd" and bool(config.momentum),
+            "momentum_correction",
+            "moves SGD's momentum into the error feedback: it needs optimizer sgd with "
+            "momentum > 0",
+        )
+        require_sparse("momentum_correction", "needs a sparsifier with error feedback")
+    if config.value_dtype is not None:
+        _require(
+            config.value_dtype in VALUE_DTYPES,
+            "value_dtype",
+            f"must be one of {', '.join(VALUE_DTYPES)}; got {config.value_dtype!r}",
+        )
+        require_sparse("value_dtype", "narrows the values a sparsifier sends")
+    if config.adam_correction:
+        _require(
+            config.optimizer == "adam" and not config.weight_decay,
+            "adam_correction",
+            "moves Adam into the error feedback: it needs optimizer adam without weight decay",
+        )
+        _require(
+            not config.clip,
+            "adam_correction",
+            "the averaged values are Adam steps, and --clip would cap their norm instead of "
+            "the gradients': train with --clip 0",
+        )
+        require_sparse("adam_correction", "needs a sparsifier with error feedback")
+    if config.density_warmup is not None:
+        warmup = config.density_warmup
+        _require(
+            isinstance(warmup, (list, tuple))
+            and len(warmup) == 2
+            and _number(warmup[0], config.density, math.nextafter(1.0, 2.0), open_low=True)
+            and _number(warmup[1], 0, open_low=True),
+            "density_warmup",
+            f"must be START,EPOCHS with density ({config.density:g}) < START <= 1 and "
+            "EPOCHS > 0, e.g. 0.01,0.5",
+        )
+        require_sparse("density_warmup", "needs a sparsifier that selects")
 
 
 def _adam_correction_applies(config: TrainConfig) -> bool:

@@ -52,10 +52,7 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     device = torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
     if data is None:
         data = task.load(config.data_dir, config.task_options)
-    torch.manual_seed(config.seed * 65_537 + rank)  # dropout and augmentation differ per rank
-    model = task.build_model(config.model, data, config.seed, config.model_options).to(device)
-    for parameter in model.parameters():  # identical start on every rank, whatever its RNG did
-        dist.broadcast(parameter.data, src=0)
+    model = _same_model_everywhere(task, config, data, rank, device)
     if config.resume:  # parameters first: DDP broadcasts rank 0's when it wraps the model
         shared, own = load_checkpoint(config.out, rank)
         load_model(model, shared, own)
@@ -67,8 +64,7 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     if config.resume:
         start, carried, seconds_before = run.restore(shared, own)
     total_steps = config.epochs * steps_per_epoch
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
+    total_steps = total_steps if config.max_steps is None else min(total_steps, config.max_steps)
     capture = None
     if config.capture_gradients and config.capture_steps:
         capture = GradientCapture(config.capture_gradients, config.capture_steps, rank)
@@ -135,6 +131,18 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
         wall = seconds_before + time.perf_counter() - started
         parameters = sum(p.numel() for p in model.parameters())
         log.finish(averaging.options(), world_size, wall, parameters, averaging.speed_choice())
+
+
+def _same_model_everywhere(
+    task: Task, config: TrainConfig, data: Any, rank: int, device: torch.device
+) -> nn.Module:
+    """The task's model, with rank 0's initial weights on every rank; this rank's RNG seeded
+    for what follows (dropout and augmentation differ per rank)."""
+    torch.manual_seed(config.seed * 65_537 + rank)
+    model = task.build_model(config.model, data, config.seed, config.model_options).to(device)
+    for parameter in model.parameters():  # identical start on every rank, whatever its RNG did
+        dist.broadcast(parameter.data, src=0)
+    return model
 
 
 def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) -> int:
@@ -249,8 +257,9 @@ class PeerAveraging:
     def __init__(self, model: nn.Module, name: str) -> None:
         self.name = name
         method = parse_method(name)
-        self.model, self._powersgd = attach_method(method, model, density=1.0,
-                                                  start=POWERSGD_START, checkpointable=True)
+        self.model, self._powersgd = attach_method(
+            method, model, density=1.0, start=POWERSGD_START, checkpointable=True
+        )
         powersgd = method.sparsifier == "powersgd"
         self._start = method.compresses_from(POWERSGD_START) if powersgd else 0
         self.steps = 0
