@@ -29,7 +29,7 @@ from microsparse_lab.training.checkpoint import Position, Resumable, load_checkp
 from microsparse_lab.training.config import TrainConfig
 from microsparse_lab.training.log import RunLog
 from microsparse_lab.training.optim import build_optimizer, learning_rate
-from microsparse_lab.training.tasks import Task, get_task
+from microsparse_lab.training.tasks import EpochSlice, Task, get_task
 
 __all__ = ["TrainConfig", "train"]
 
@@ -81,10 +81,8 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     for epoch in range(start.epoch, config.epochs):
         if step >= total_steps:
             break
-        batches = task.epoch(
-            data, config.task_options, epoch=epoch, rank=rank, world_size=world_size,
-            batch_size=config.batch_size, seed=config.seed, device=device,
-        )  # fmt: skip
+        part = EpochSlice(epoch, rank, world_size, config.batch_size, config.seed, device)
+        batches = task.epoch(data, config.task_options, part)
         first = start.batch if epoch == start.epoch else 0
         if epoch == start.epoch and carried is not None:
             batches.load_state_dict(carried)

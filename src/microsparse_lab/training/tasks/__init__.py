@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-from microsparse_lab.training.tasks.base import Epoch, Metric, Recipe, Task
+from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 from microsparse_lab.training.tasks.images import CIFAR10, CIFAR100, MNIST
 from microsparse_lab.training.tasks.language import LANGUAGE
 from microsparse_lab.training.tasks.recommendation import RECOMMENDATION
@@ -43,6 +43,7 @@ for _task in (MNIST, CIFAR10, CIFAR100, LANGUAGE, RECOMMENDATION):
 
 __all__ = [
     "Epoch",
+    "EpochSlice",
     "Metric",
     "Recipe",
     "Task",

@@ -39,6 +39,20 @@ class Recipe:
     betas: tuple[float, float] = (0.9, 0.999)  # Adam
 
 
+@dataclass(frozen=True)
+class EpochSlice:
+    """The part of one epoch a rank trains on: rank ``rank`` of ``world_size``,
+    ``batch_size`` examples a step, the order fixed by ``seed`` and ``epoch``, the batches
+    moved to ``device``."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    batch_size: int
+    seed: int
+    device: torch.device
+
+
 class Epoch(ABC):
     """One epoch of this rank's training batches; :meth:`loss` must be called in step order."""
 
@@ -93,18 +107,7 @@ class Task(ABC):
         """Steps of every epoch (0 if one global batch is more than the training data)."""
 
     @abstractmethod
-    def epoch(
-        self,
-        data: Any,
-        options: dict[str, Any],
-        *,
-        epoch: int,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device,
-    ) -> Epoch:
+    def epoch(self, data: Any, options: dict[str, Any], part: EpochSlice) -> Epoch:
         """This rank's batches of one epoch; the same number of steps on every rank."""
 
     @abstractmethod

@@ -11,7 +11,7 @@ from torch import nn
 from microsparse_lab.training.data.common import MissingDataError, find_files, shard_batches
 from microsparse_lab.training.data.images import CIFAR_FORMAT, ImageData, cifar_data, mnist_data
 from microsparse_lab.training.models import GoogLeNet, ResNet18, SENet18, SmallCNN
-from microsparse_lab.training.tasks.base import Epoch, Metric, Recipe, Task
+from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
 # The paper's CIFAR recipe (MICRO_SPEC §5).
 PAPER_RECIPE = Recipe(
@@ -107,20 +107,16 @@ class ImageTask(Task):
     ) -> int:
         return len(data.train.labels) // (batch_size * world_size)
 
-    def epoch(
-        self,
-        data: ImageData,
-        options: dict[str, Any],
-        *,
-        epoch: int,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device,
-    ) -> ImageEpoch:
-        batches = shard_batches(len(data.train.labels), batch_size, rank, world_size, seed, epoch)
-        return ImageEpoch(data, batches, device)
+    def epoch(self, data: ImageData, options: dict[str, Any], part: EpochSlice) -> ImageEpoch:
+        batches = shard_batches(
+            len(data.train.labels),
+            part.batch_size,
+            part.rank,
+            part.world_size,
+            part.seed,
+            part.epoch,
+        )
+        return ImageEpoch(data, batches, part.device)
 
     @torch.no_grad()
     def evaluate(

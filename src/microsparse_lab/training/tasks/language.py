@@ -19,7 +19,7 @@ from microsparse_lab.training.data.text import (
     wikitext,
 )
 from microsparse_lab.training.models import LSTMLanguageModel
-from microsparse_lab.training.tasks.base import Epoch, Metric, Recipe, Task
+from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
 # The paper's WikiText-2 recipe (MICRO_SPEC §5): plain SGD, clipping of the averaged gradient.
 PAPER_RECIPE = Recipe(
@@ -134,21 +134,10 @@ class LanguageTask(Task):
         rows = len(data.train) // world_size // batch_size
         return max(rows - 1, 0) // options["bptt"]
 
-    def epoch(
-        self,
-        data: TextData,
-        options: dict[str, Any],
-        *,
-        epoch: int,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device,
-    ) -> LanguageEpoch:
-        share = len(data.train) // world_size
-        tokens = batchify(data.train[rank * share : (rank + 1) * share], batch_size)
-        return LanguageEpoch(tokens, options["bptt"], device)
+    def epoch(self, data: TextData, options: dict[str, Any], part: EpochSlice) -> LanguageEpoch:
+        share = len(data.train) // part.world_size
+        tokens = batchify(data.train[part.rank * share : (part.rank + 1) * share], part.batch_size)
+        return LanguageEpoch(tokens, options["bptt"], part.device)
 
     @torch.no_grad()
     def evaluate(

@@ -18,7 +18,7 @@ from microsparse_lab.training.data.ratings import (
     training_instances,
 )
 from microsparse_lab.training.models import NeuMF
-from microsparse_lab.training.tasks.base import Epoch, Metric, Recipe, Task
+from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
 TOP_K = 10
 # The paper's MovieLens-20M recipe (MICRO_SPEC §5), with the Adam betas and the 2^20 global
@@ -102,21 +102,16 @@ class RecommendationTask(Task):
         return (1 + options["negatives"]) * len(data.train_users) // (batch_size * world_size)
 
     def epoch(
-        self,
-        data: RatingsData,
-        options: dict[str, Any],
-        *,
-        epoch: int,
-        rank: int,
-        world_size: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device,
+        self, data: RatingsData, options: dict[str, Any], part: EpochSlice
     ) -> RecommendationEpoch:
         count = (1 + options["negatives"]) * len(data.train_users)
-        batches = shard_batches(count, batch_size, rank, world_size, seed, epoch)
-        instances = training_instances(data, options["negatives"], batches, seed, epoch, rank)
-        return RecommendationEpoch(instances, device)
+        batches = shard_batches(
+            count, part.batch_size, part.rank, part.world_size, part.seed, part.epoch
+        )
+        instances = training_instances(
+            data, options["negatives"], batches, part.seed, part.epoch, part.rank
+        )
+        return RecommendationEpoch(instances, part.device)
 
     @torch.no_grad()
     def evaluate(
