@@ -139,39 +139,13 @@ class SparseState:
                 "momentum correction: use it without grad_scaler and momentum_correction"
             )
         # the options' errors, now, with the closest spelling of a misspelt keyword
-        create_sparsifier(sparsifier, self.density, owner=keywords_of(type(self)), **options)
-        if self.adam is not None and self.averages_densely:
-            raise ValueError(
-                "adam_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
-            )
-        if self.momentum[0] and self.averages_densely:
-            raise ValueError(
-                "momentum_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
-                "momentum"
-            )
+        owner = (type(self).__name__, keywords_of(SparseState)[1])
+        create_sparsifier(sparsifier, self.density, owner=owner, **options)
+        self._check_corrections()
         if not isinstance(one_exchange, bool):
             raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
         self.one_exchange = one_exchange
-        self.min_speedup = check_min_speedup(min_speedup)
-        if self.min_speedup is not None and self.averages_densely:
-            raise ValueError(
-                "min_speedup chooses between sparse and dense averaging, but this state always "
-                "averages densely (dense, or density 1): leave min_speedup unset (None)"
-            )
-        if self.min_speedup is not None:
-            clashing = [name for name, on in (
-                ("nonfinite='raise'", nonfinite == "raise"),
-                ("grad_scaler", grad_scaler is not None),
-                ("momentum_correction", bool(self.momentum[0])),
-                ("adam_correction", self.adam is not None),
-            ) if on]  # fmt: skip
-            if clashing:  # they need every pass sparse (a dense pass has no residual to keep)
-                raise ValueError(
-                    f"min_speedup may average some passes densely, which {clashing[0]} does not "
-                    "support: leave min_speedup unset (None), or drop that option"
-                )
+        self.min_speedup = self._check_min_speedup(min_speedup)
         self.speed = None if self.min_speedup is None else SpeedChoice(self.min_speedup)
         """The timing and choice of ``min_speedup`` (None without it)."""
         self.density_warmup = DensityWarmup.of(density_warmup)
@@ -188,6 +162,43 @@ class SparseState:
         """Statistics of the last completed backward pass."""
         self._binding: _Binding | None = None
         self._pending: dict[str, Any] | None = None
+
+    def _check_corrections(self) -> None:
+        """Momentum and Adam correction keep the optimiser in the residual: they need one."""
+        if self.adam is not None and self.averages_densely:
+            raise ValueError(
+                "adam_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
+            )
+        if self.momentum[0] and self.averages_densely:
+            raise ValueError(
+                "momentum_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
+                "momentum"
+            )
+
+    def _check_min_speedup(self, min_speedup: float | None) -> float | None:
+        """``min_speedup``, checked against the options that need every pass sparse."""
+        min_speedup = check_min_speedup(min_speedup)
+        if min_speedup is None:
+            return None
+        if self.averages_densely:
+            raise ValueError(
+                "min_speedup chooses between sparse and dense averaging, but this state always "
+                "averages densely (dense, or density 1): leave min_speedup unset (None)"
+            )
+        clashing = [name for name, on in (
+            ("nonfinite='raise'", self.nonfinite == "raise"),
+            ("grad_scaler", self.grad_scaler is not None),
+            ("momentum_correction", bool(self.momentum[0])),
+            ("adam_correction", self.adam is not None),
+        ) if on]  # fmt: skip
+        if clashing:  # they need every pass sparse (a dense pass has no residual to keep)
+            raise ValueError(
+                f"min_speedup may average some passes densely, which {clashing[0]} does not "
+                "support: leave min_speedup unset (None), or drop that option"
+            )
+        return min_speedup
 
     @property
     def averages_densely(self) -> bool:
@@ -380,7 +391,9 @@ class SparseState:
 
 
 class MicroState(SparseState):
-    """State of :func:`microsparse.ddp.micro_hook`: MiCRO, with the loop API's defaults.
+    """State of :func:`microsparse.ddp.micro_hook`: ``SparseState("micro", ...)``.
+
+    Takes every keyword of :class:`SparseState` and MiCRO's options.
 
     Example:
         >>> state = microsparse.ddp.MicroState(density=0.001)               # doctest: +SKIP
@@ -391,24 +404,9 @@ class MicroState(SparseState):
         self,
         density: float = 0.001,
         process_group: dist.ProcessGroup | None = None,
-        *,
-        value_dtype: torch.dtype | None = None,
-        timeout: float | None = None,
-        nonfinite: NonFinite = "skip",
-        grad_scaler: Any = None,
-        momentum_correction: float = 0.0,
-        momentum_nesterov: bool = False,
-        density_warmup: DensityWarmup | tuple[float, int] | None = None,
-        one_exchange: bool = False,
-        min_speedup: float | None = None,
-        **options: Any,
+        **keywords: Any,
     ) -> None:
-        super().__init__("micro", density, process_group, value_dtype=value_dtype,
-                         timeout=timeout, nonfinite=nonfinite, grad_scaler=grad_scaler,
-                         momentum_correction=momentum_correction,
-                         momentum_nesterov=momentum_nesterov, density_warmup=density_warmup,
-                         one_exchange=one_exchange, min_speedup=min_speedup,
-                         **options)  # fmt: skip
+        super().__init__("micro", density, process_group, **keywords)
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         SparseState.__setstate__(self, saved)
