@@ -50,7 +50,6 @@ from microsparse_lab.bench.output import (
     describe_machine,
     machine,
     markdown_table,
-    pyplot,
     significant,
     write_results,
 )
@@ -62,6 +61,7 @@ from microsparse_lab.bench.workload import (
     model_layout,
     quantile_of_magnitude,
 )
+from microsparse_lab.reports.plots import pyplot
 
 CAPTURE_TARGET = 10_000
 """Captured stream: the density is chosen so that k is at least this."""

@@ -111,20 +111,6 @@ def significant(value: float, digits: int = 3) -> str:
     return f"{value:.{decimals}f}"
 
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (no display), or a message naming the extra."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError(
-            "plots need matplotlib, which is not installed: pip install 'microsparse[plots]'"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

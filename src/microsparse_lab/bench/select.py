@@ -44,7 +44,6 @@ from microsparse_lab.bench.output import (
     describe_machine,
     machine,
     markdown_table,
-    pyplot,
     significant,
     write_results,
 )
@@ -57,6 +56,7 @@ from microsparse_lab.bench.workload import (
     synthetic_gradient,
 )
 from microsparse_lab.methods.names import Variant, find_variants
+from microsparse_lab.reports.plots import pyplot
 
 DEFAULT_SIZES = (1_000_000, RESNET18_NUMEL, 100_000_000)
 DEFAULT_PARTITIONS = (1, 4, 16, 64, 256, 1024)

@@ -57,7 +57,6 @@ from microsparse_lab.bench.output import (
     describe_machine,
     machine,
     markdown_table,
-    pyplot,
     significant,
     write_results,
 )
@@ -71,6 +70,7 @@ from microsparse_lab.bench.workload import (
     synthetic_gradient,
 )
 from microsparse_lab.methods.names import Variant, find_variants
+from microsparse_lab.reports.plots import pyplot
 
 SMALLCNN_NUMEL = 215_370
 """Parameters of ``microsparse train``'s MNIST CNN: the default synthetic d."""

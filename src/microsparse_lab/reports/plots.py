@@ -17,11 +17,12 @@ from microsparse_lab.reports.table import Target, choose_target, common_metric
 PLOTS = ("metric_vs_epoch", "metric_vs_time", "density_vs_step", "time_breakdown")
 """File names (without ``.png``) that :func:`write_plots` writes."""
 
-_SIZE = (6.4, 4.0)
-_DPI = 80  # small files: these go into the repository's docs
+SIZE = (6.4, 4.0)
+DPI = 80  # small files: these go into the repository's docs
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display), or a message naming the extra."""
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -36,7 +37,7 @@ def _pyplot() -> Any:
 
 def write_plots(runs: list[Run], out: str | Path, target: Target | None = None) -> list[Path]:
     """Write the four plots of :data:`PLOTS` into ``out``; returns their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     target = target or choose_target(runs)
@@ -47,7 +48,7 @@ def write_plots(runs: list[Run], out: str | Path, target: Target | None = None) 
         ("density_vs_step", lambda ax: _density(ax, runs)),
         ("time_breakdown", lambda ax: _time_breakdown(ax, runs)),
     ):
-        figure, ax = plt.subplots(figsize=_SIZE, dpi=_DPI)
+        figure, ax = plt.subplots(figsize=SIZE, dpi=DPI)
         draw(ax)
         figure.tight_layout()
         path = out / f"{name}.png"

@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from statistics import fmean
 
-from microsparse_lab.reports.plots import _DPI, _SIZE, _pyplot
+from microsparse_lab.reports.plots import DPI, SIZE, pyplot
 from microsparse_lab.reports.runs import (
     EPOCHS_FILE,
     KNOWN_METRICS,
@@ -185,10 +185,10 @@ are drawn dashed."""
 
 def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Path:
     """Metric against epochs: the mean over seeds, and a band from the lowest to the highest."""
-    plt = _pyplot()
+    plt = pyplot()
     sparse = [v.target_density for v in variants if v.runs[0].sparsifier != "dense"]
     budget = OVERSPENT * min(sparse, default=1.0)
-    figure, axes = plt.subplots(figsize=(_SIZE[0] * 1.25, _SIZE[1] * 1.25))
+    figure, axes = plt.subplots(figsize=(SIZE[0] * 1.25, SIZE[1] * 1.25))
     for variant in variants:
         epochs = min(len(curve) for curve in variant.curves)
         if epochs == 0:
@@ -213,6 +213,6 @@ def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Pat
     axes.legend(fontsize="small")
     figure.tight_layout()
     path = Path(out)
-    figure.savefig(path, dpi=_DPI)
+    figure.savefig(path, dpi=DPI)
     plt.close(figure)
     return path
