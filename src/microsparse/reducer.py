@@ -15,10 +15,10 @@ from torch import nn
 from microsparse.comm.collectives import (
     Collectives,
     ProcessGroupCollectives,
-    all_reduce_bytes,
     check_agreement,
 )
-from microsparse.engine import GradientOutput, SparseStep, StepReport, run_blocking
+from microsparse.engine import GradientOutput, SparseStep, run_blocking
+from microsparse.engine.stats import step_stats
 from microsparse.engine.step import NonFinite, elapsed_seconds, scaler_scale
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
@@ -228,7 +228,12 @@ class GradientReducer:
         except BaseException:
             self._engine.rollback()
             raise
-        self.last_step = step_stats(self.step, self.sparsifier, report, self._engine, clock.wall())
+        wall, select = clock.wall(), report.select_seconds
+        waited = Pending.combine(lambda t: max(0.0, t[0] - t[1]), [wall, select])
+        self.last_step = step_stats(
+            self.step, self.world_size, [(self._engine, report)],
+            exchange_seconds=waited, partition=report.partition,
+        )  # fmt: skip
         self.step += 1
         return self.last_step
 
@@ -294,34 +299,6 @@ class GradientReducer:
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
         self._engine.check_next = True  # the ranks' steps are compared at the next call
-
-
-def step_stats(
-    step: int, sparsifier: Any, report: StepReport, engine: SparseStep, wall: float | Pending
-) -> StepStats:
-    """The public :class:`StepStats` of one blocking step (its waiting is exchange time)."""
-    numel, n = sparsifier.layout.numel, sparsifier.world_size
-    element = engine.feedback.residual.element_size()
-    select = report.select_seconds
-    return StepStats(
-        step=step,
-        numel=numel,
-        world_size=n,
-        selected=report.selected,
-        target=sparsifier.target,
-        threshold=report.threshold,
-        local_selected=report.local_selected,
-        max_local_selected=report.message_slots,
-        partition=report.partition,
-        bytes_sent=report.bytes_sent,
-        dense_bytes=all_reduce_bytes(numel * element, n),
-        select_seconds=select,
-        exchange_seconds=Pending.combine(lambda t: max(0.0, t[0] - t[1]), [wall, select]),
-        extra=report.extra,
-        proposed=report.proposed,
-        exchange=engine.framing.label,
-        skipped=report.skipped,
-    )
 
 
 class _Wall:

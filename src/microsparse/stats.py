@@ -95,7 +95,9 @@ class StepStats:
     local_selected: int
     """Positions this rank selected (its contribution to K)."""
     max_local_selected: int
-    """Largest selection of any rank: the padded length of the index message."""
+    """Index slots of each rank's index message, used or not: the padded length (the largest
+    rank's selection) or the fixed message's capacity; over a DDP or FSDP pass, summed over
+    its slabs' messages; 0 where the step averaged densely (no index message)."""
     partition: tuple[int, int] | None
     """Half-open range [start, end) this rank selected from, for partitioned sparsifiers."""
     bytes_sent: int

@@ -18,6 +18,7 @@ from microsparse.ddp.choice import SpeedChoice, check_min_speedup
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import RESTORE_AFTER_BACKWARD, Job, Slabs
 from microsparse.engine import StepReport
+from microsparse.engine.stats import dense_stats, step_stats
 from microsparse.engine.step import NONFINITE, NonFinite
 from microsparse.feedback import check_adam, check_momentum
 from microsparse.layout import Layout
@@ -25,7 +26,7 @@ from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
 from microsparse.sparsifiers.base import validate_density
 from microsparse.sparsifiers.warmup import DensityWarmup
-from microsparse.stats import Pending, StepStats
+from microsparse.stats import StepStats
 
 VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
 
@@ -466,39 +467,13 @@ class PassRecord:
     def dense_stats(self, world_size: int, density: float) -> StepStats:
         numel = self.dense_numel
         dense = all_reduce_bytes(self.dense_bytes, world_size)
-        return StepStats(self.step, numel, world_size, numel, max(1, math.floor(density * numel)),
-                         float("nan"), numel, 0, None, dense, dense, 0.0, 0.0,
-                         extra={"averaging": "dense"}, proposed=numel,
-                         exchange="dense")  # fmt: skip
+        target = max(1, math.floor(density * numel))
+        return dense_stats(self.step, numel, world_size, target, dense, dense,
+                           extra={"averaging": "dense"})  # fmt: skip
 
     def stats(self, world_size: int) -> StepStats:
-        reports = [report for _, report in self.reports]
-        numel = sum(job.slab.layout.numel for job, _ in self.reports)
-        largest = max(self.reports, key=lambda item: item[0].slab.layout.numel)
-        element = largest[0].slab.feedback.accumulated.element_size()
-
-        def total(name: str) -> Any:
-            return Pending.combine(sum, [getattr(r, name) for r in reports])
-
-        return StepStats(
-            step=self.step,
-            numel=numel,
-            world_size=world_size,
-            selected=total("selected"),
-            target=sum(job.slab.sparsifier.target for job, _ in self.reports),
-            threshold=largest[1].threshold,
-            local_selected=total("local_selected"),
-            max_local_selected=sum(r.message_slots for r in reports),
-            partition=None,
-            bytes_sent=sum(r.bytes_sent for r in reports),
-            dense_bytes=all_reduce_bytes(numel * element, world_size),
-            select_seconds=total("select_seconds"),
-            exchange_seconds=total("finish_seconds"),
-            extra={"slabs": len(reports)},
-            proposed=total("proposed"),
-            exchange=largest[0].slab.engine.framing.label,
-            skipped=Pending.combine(any, [r.skipped for r in reports]),
-        )
+        slabs = [(job.slab.engine, report) for job, report in self.reports]
+        return step_stats(self.step, world_size, slabs, extra={"slabs": len(slabs)})
 
 
 def _rounds(sparsifier: Sparsifier, warmup: bool = False) -> int:

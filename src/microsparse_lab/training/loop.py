@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.ddp import SparseState, sparse_hook
+from microsparse.engine.stats import dense_stats
 from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
 from microsparse_lab.methods.hooks import attach_method
@@ -281,13 +282,8 @@ class PeerAveraging:
 
     def step(self) -> StepStats:
         d, n = self._numel, self._world_size
-        stats = StepStats(
-            step=self.steps, numel=d, world_size=n, selected=d, target=d,
-            threshold=float("nan"), local_selected=d, max_local_selected=d, partition=None,
-            bytes_sent=self._bytes if self.steps >= self._start else self._dense,
-            dense_bytes=self._dense, select_seconds=0.0, exchange="dense",
-            exchange_seconds=0.0, proposed=d,
-        )  # fmt: skip
+        sent = self._bytes if self.steps >= self._start else self._dense
+        stats = dense_stats(self.steps, d, n, target=d, bytes_sent=sent, dense_bytes=self._dense)
         self.steps += 1
         return stats
 
