@@ -9,6 +9,9 @@ the top of its file, where it can be seen (an import inside a function would hid
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,3 +179,25 @@ def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def test_the_library_imports_without_the_harness_dependencies() -> None:
+    """``pip install microsparse`` brings torch only: every library module imports without
+    numpy, tqdm or matplotlib (a subprocess in which importing them fails)."""
+    library = sorted(name for name in MODULES if name.split(".")[0] == "microsparse")
+    script = f"""
+import importlib, importlib.abc, sys
+BLOCKED = ("numpy", "tqdm", "matplotlib", "microsparse_lab")
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"no module named {{name!r}} (blocked: not installed)")
+sys.meta_path.insert(0, Blocker())
+for name in {library!r}:
+    importlib.import_module(name)
+print("imported", len({library!r}))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"imported {len(library)}" in result.stdout
