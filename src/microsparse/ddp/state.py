@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
-from microsparse.comm.framing import Dense, Fixed, Padded
+from microsparse.comm.framing import Fixed
 from microsparse.ddp.choice import SpeedChoice, check_min_speedup
 from microsparse.ddp.ordering import OrderedLauncher
 from microsparse.ddp.slabs import RESTORE_AFTER_BACKWARD, Job, Slabs
 from microsparse.engine import StepReport
+from microsparse.engine.plan import step_collectives
 from microsparse.engine.stats import dense_stats, step_stats
 from microsparse.engine.step import NONFINITE, NonFinite
 from microsparse.feedback import check_adam, check_momentum
@@ -477,16 +478,12 @@ class PassRecord:
 
 
 def _rounds(sparsifier: Sparsifier, warmup: bool = False) -> int:
-    """Collective rounds of one step of ``sparsifier`` (``microsparse.engine``'s protocol):
-    the guard, a plan or an agreement if any, the index exchange (a padded one has a count
-    header first; a ``warmup`` adds the fixed message's overflow round), the values."""
+    """Collective rounds of one step of ``sparsifier`` (:func:`step_collectives`), each taken
+    whatever its size: a ``warmup`` adds a fixed message's overflow round."""
     framing = sparsifier.framing()
-    if isinstance(framing, Dense):
-        return 2
-    if sparsifier.planned:
-        return 3 + isinstance(framing, Padded)
-    exchange = 2 if isinstance(framing, Padded) or (warmup and isinstance(framing, Fixed)) else 1
-    return 1 + int(sparsifier.agrees) + exchange + 1
+    overflow = int(warmup and isinstance(framing, Fixed))
+    return len(step_collectives(framing, slots=1, values=1, agreement_bytes=int(sparsifier.agrees),
+                                planned=sparsifier.planned, overflow_slots=overflow))  # fmt: skip
 
 
 def _probe_layout() -> Layout:

@@ -30,14 +30,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from microsparse.comm.framing import FRAMINGS, Fixed
-from microsparse.engine.step import Guard
+from microsparse.engine.plan import step_collectives
 from microsparse.layout import Layout
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
-
-GUARD_BYTES = Guard.BYTES
-"""Every rank's non-finite flag and step, all-gathered at the start of every step."""
-FIXED_HEADER_SLOTS = Fixed.header_slots
-"""Index slots of a ``fixed`` message that carry its header instead."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +123,8 @@ class StepShape:
 
 
 def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, float]]:
-    """(kind, bytes) of every collective one step issues, in order: the engine's protocol
-    (``microsparse.engine``), with the index exchange as its framing lists it.
+    """(kind, bytes) of every collective one step of ``shape`` issues, in order
+    (:func:`microsparse.engine.plan.step_collectives`).
 
     Example:
         >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
@@ -138,17 +133,16 @@ def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, fl
     """
     if world_size == 1:
         return []
-    steps: list[tuple[str, float]] = [("all_gather", GUARD_BYTES)]
-    if shape.agreement_bytes:
-        steps.append(("all_reduce", shape.agreement_bytes))
-    planned = bool(shape.plan_bytes)
-    if planned:
-        steps.append(("broadcast", shape.plan_bytes))
-    framing = FRAMINGS[shape.exchange]
-    steps += framing.collectives(shape.max_local_selected, shape.index_bytes, planned)
-    values = shape.numel if shape.exchange == "dense" else shape.selected
-    steps.append(("all_reduce", values * shape.value_bytes))
-    return steps
+    return step_collectives(
+        FRAMINGS[shape.exchange],
+        slots=shape.max_local_selected,
+        values=shape.numel if shape.exchange == "dense" else shape.selected,
+        index_bytes=shape.index_bytes,
+        value_bytes=shape.value_bytes,
+        agreement_bytes=shape.agreement_bytes,
+        planned=bool(shape.plan_bytes),
+        plan_bytes=shape.plan_bytes,
+    )
 
 
 def communication_seconds(
