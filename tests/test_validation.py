@@ -11,6 +11,10 @@ import torch
 import microsparse
 from distributed import run_ranks
 from microsparse import ConfigMismatchError, GradientReducer, NonFiniteGradientError
+from microsparse.engine import SparseStep
+from microsparse.feedback import ErrorFeedback
+from microsparse.layout import Layout
+from microsparse.sparsifiers.cltk import CyclicLocalTopK
 
 
 def linear() -> torch.nn.Module:
@@ -251,3 +255,21 @@ def test_disagreeing_ranks_are_detected_not_deadlocked(what: str, message: str, 
 def test_public_api_names() -> None:
     assert "micro" in microsparse.available_sparsifiers()
     assert microsparse.__version__
+
+
+def test_a_sparsifier_that_is_planned_and_agrees_is_refused() -> None:
+    """The Sparsifier contract's rule: a step has a leader's plan or an all-ranks sum."""
+    class PlannedAndAgreeing(CyclicLocalTopK):
+        @property
+        def agrees(self) -> bool:
+            return True
+
+    layout = Layout.of([("w", torch.empty(100))])
+    sparsifier = PlannedAndAgreeing(0.1)
+    sparsifier.bind(layout, 0, 2)
+    feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+    with pytest.raises(TypeError, match="planned and asks for an agreement"):
+        SparseStep(sparsifier, feedback)
+    planned = CyclicLocalTopK(0.1)
+    planned.bind(layout, 0, 2)
+    SparseStep(planned, feedback)  # planned alone is fine

@@ -187,6 +187,11 @@ class SparseStep:
         self.sparsifier = sparsifier
         self.framing = sparsifier.framing()
         self.schedule = schedule
+        if sparsifier.planned and sparsifier.agrees:
+            raise TypeError(
+                f"sparsifier {sparsifier.name!r} is planned and asks for an agreement: a step "
+                "has either a leader's plan or an all-ranks sum (see Sparsifier)"
+            )
         if isinstance(self.framing, Dense) and schedule is not None:
             raise ValueError(
                 "density_warmup needs a sparsifier that selects, but this one averages densely "

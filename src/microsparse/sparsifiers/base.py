@@ -32,25 +32,45 @@ def validate_density(density: float) -> float:
 
 
 class Sparsifier(ABC):
-    """Base class of every sparsifier in the registry.
+    """Base class of every sparsifier in the registry: one file and ``@register_sparsifier``.
 
-    Subclasses set ``name``, implement :meth:`select` and :meth:`framing`, and, if they adapt
-    over time, :meth:`update` and the ``state_dict`` pair. Constructor keyword arguments are the
-    user-facing options (``GradientReducer(..., sparsifier="micro", threshold_rule="as_coded")``)
-    and must be stored under their own names: :meth:`options` reads them back from there, so
-    that every rank's options enter the configuration check.
+    **Required**: ``name``, :meth:`framing` and :meth:`select`; constructor keyword arguments
+    are the user-facing options (``GradientReducer(..., threshold_rule="as_coded")``), stored
+    under their own names, where :meth:`options` reads them back for the ranks' check.
 
-    Sparsifiers whose selection a leader decides set ``planned = True`` and implement the plan
-    trio. Each step the engine then calls ``make_plan`` on the leader only, broadcasts that
-    fixed-size tensor (``empty_plan`` gives every rank its shape), and calls ``adopt_plan`` on
-    every rank before ``select``; ``adopt_plan`` returns what every rank will select, so no
-    count has to be exchanged.
+    **Optional**, each group all or nothing:
+
+    - *adapting over time*: :meth:`update` and the :meth:`state_dict` pair;
+    - *counts known before the data*: :meth:`counts` (the engine then never reads back);
+    - *an all-ranks sum first*: :attr:`agrees`, :meth:`agreement`, :meth:`adopt_agreement`;
+    - *a leader's plan*: ``planned = True``, :meth:`empty_plan`, :meth:`make_plan`,
+      :meth:`adopt_plan` (and :meth:`leader`, cyclic by default). Each step the engine calls
+      ``make_plan`` on the leader only, broadcasts that fixed-size tensor, and calls
+      ``adopt_plan`` on every rank before ``select``; it returns every rank's count;
+    - *reporting*: :meth:`report`, :attr:`threshold`, :meth:`partition`;
+    - *benchmarks*: :meth:`settle` (start from a given threshold).
+
+    **Rules** (the engine relies on them): a sparsifier is planned or agrees, never both
+    (the engine refuses it); :meth:`framing` is pure, the same answer at every call and no
+    change of state (the hook and the cost model read the step's shape from it); what
+    :meth:`state_dict` returns is a snapshot, not live tensors (the engine keeps it to roll
+    a failed step back); :meth:`select` returns distinct positions.
     """
 
     name: ClassVar[str]
     planned: ClassVar[bool] = False
     yardstick: ClassVar[bool] = False
     """A bound to measure methods against (``oracle``), left out of the benchmarks' defaults."""
+    layout: Layout
+    """The slab's parameters (set by :meth:`bind`, as are the attributes below)."""
+    rank: int
+    """This rank's place among the ranks that average this slab."""
+    world_size: int
+    """The number of ranks n."""
+    target: int
+    """k for this slab at the current step (a density warm-up moves it: :meth:`retarget`)."""
+    final_target: int
+    """k once any warm-up is over."""
 
     def __init__(self, density: float) -> None:
         self.density = validate_density(density)
