@@ -91,13 +91,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         default=1,
         help="virtual workers; 1 is a GradientReducer without a process group (default: 1)",
     )
-    add(
-        "--from",
-        dest="from_file",
-        metavar="FILE",
-        default=None,
-        help="rewrite the table and plot from an earlier controller.json instead of running",
-    )
+    bench_options.add_from(parser, "controller", "rewrite the table and plot")
     add("--quick", action="store_true", help="d = 200,000 at density 0.05, 400 steps")
     bench_options.add_common(parser, "controller")
     parser.set_defaults(run=_run, parser=parser)

@@ -93,6 +93,13 @@ def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_from(parser: argparse.ArgumentParser, name: str, what: str) -> None:
+    """``--from FILE``: ``what`` from an earlier ``NAME.json`` instead of measuring again
+    (:func:`measure_or_load` reads it)."""
+    help = f"{what} from an earlier {name}.json instead of measuring"
+    parser.add_argument("--from", dest="from_file", metavar="FILE", default=None, help=help)
+
+
 def add_common(parser: argparse.ArgumentParser, name: str) -> None:
     """``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
     add = parser.add_argument

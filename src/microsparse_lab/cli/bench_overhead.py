@@ -33,8 +33,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         help="timed calls per measurement (default: %(default)s)")  # fmt: skip
     add("--loopback-ranks", type=arguments.non_negative_int, default=full.loopback_ranks,
         help="gloo ranks comparing with all-reduce, 0 to skip (default: %(default)s)")  # fmt: skip
-    add("--from", dest="from_file", metavar="FILE", default=None,
-        help="rewrite the table from an earlier overhead.json instead of measuring")  # fmt: skip
+    bench_options.add_from(parser, "overhead", "rewrite the table")
     bench_options.add_common(parser, "overhead")
     parser.set_defaults(run=_run, parser=parser)
 

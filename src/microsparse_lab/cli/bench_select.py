@@ -61,13 +61,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)",
     )
     bench_options.add_sparsifiers(parser)
-    add(
-        "--from",
-        dest="from_file",
-        metavar="FILE",
-        default=None,
-        help="rewrite the table and plots from an earlier select.json instead of measuring",
-    )
+    bench_options.add_from(parser, "select", "rewrite the table and plots")
     add("--quick", action="store_true", help="d = 1 M, n = 1, 16, 256, 5 repeats")
     bench_options.add_common(parser, "select")
     parser.set_defaults(run=_run, parser=parser)

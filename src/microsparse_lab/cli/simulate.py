@@ -34,14 +34,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_simulation_options(parser, full)
     _add_prediction_options(parser, model)
     add = parser.add_argument
-    add(
-        "--from",
-        dest="from_file",
-        metavar="FILE",
-        default=None,
-        help="take the simulation from an earlier simulate.json instead of running it (to "
-        "redo the prediction or the validation)",
-    )
+    bench_options.add_from(parser, "simulate", "take the simulation (to redo a prediction)")
     add("--quick", action="store_true", help=f"n = {','.join(map(str, QUICK['workers']))}, "
         f"{QUICK['steps']} steps")  # fmt: skip
     bench_options.add_common(parser, "simulate")
