@@ -23,7 +23,7 @@ demo: $(READY)
 test: $(READY)
 	$(PY) -m pytest tests src/microsparse src/microsparse_lab
 
-# The measurements of docs/BENCHMARKS.md, into $(BENCH); the plots are copied to docs/img.
+# The benchmarks of docs/results/TOOLS.md, into $(BENCH); the plots are copied to docs/img.
 # About two hours on 2 busy cores (bench select alone about one). One torch thread by default: on a busy machine, 2 threads
 # make small kernels wait on each other; set BENCH_FLAGS= to use torch's default.
 BENCH ?= runs/bench
@@ -62,7 +62,7 @@ lint: $(READY)
 clean:
 	rm -rf $(VENV) runs
 
-# MiCRO's per-rank balance, wire bytes and per-step passes: docs/BENCHMARKS.md, "Balanced exchange".
+# MiCRO's per-rank balance, wire bytes and per-step passes: docs/results/runs/2026-11-30_balance.md.
 balance: $(READY)
 	test -d $(BENCH)/capture || $(MICROSPARSE) train --workers 4 --max-steps 150 \
 		--capture-gradients $(BENCH)/capture --capture-steps 150 --no-progress --out $(BENCH)/capture-train

@@ -1,4 +1,4 @@
-"""Brute-force, single-process MiCRO (MICRO_SPEC §2 and the reference code), written for clarity.
+"""Brute-force, single-process MiCRO (docs/METHOD.md and the reference code), written for clarity.
 
 Deliberately independent of the package: plain Python loops over ranks and positions, numpy
 float64, its own partitioning and threshold rule.

@@ -1,4 +1,4 @@
-"""The paper's baselines (MICRO_SPEC §4) on real gloo ranks, each against a brute-force reference.
+"""The paper's baselines (docs/METHOD.md) on real gloo ranks, each against a brute-force reference.
 
 The references below are written independently of the package, in the style of the authors'
 reference code: numpy float64, plain loops over ranks, no shared helpers. Only SAGE's random

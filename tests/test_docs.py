@@ -12,9 +12,10 @@ document. In the Markdown source:
 - ``<!-- torchrun: end twice -->`` runs that script twice in one folder (a restart);
 - ``<!-- skip: next "why" -->`` marks a fragment that cannot run as written, with the reason.
 
-The command lines of README.md's ``sh`` blocks run in a scratch folder, made small by appended
-flags (``--max-steps 2 --no-progress``, 2 workers); each line that needs what CI lacks is in
-``SKIPPED`` with the reason, and a new line is neither run nor skipped until it is listed.
+The command lines of the ``sh`` blocks of README.md and docs/CLI.md run in a scratch folder,
+made small by appended flags (``--max-steps 2 --no-progress``, 2 workers); each line that needs
+what CI lacks is in ``SKIPPED`` with the reason, and a new line is neither run nor skipped until
+it is listed.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def test_every_python_block_is_collected_and_every_skip_says_why() -> None:
     assert len(visible) == fences  # no block escapes Sybil
 
 
-# --- README's command lines ---------------------------------------------------------------
+# --- README's and the CLI page's command lines ---------------------------------------------
 
 SKIPPED = {
     "make demo": "sets up a fresh .venv from the package index, then trains 155 steps",
@@ -152,9 +153,14 @@ SMALL = {  # appended flags that make a command small
 }  # fmt: skip
 
 
+COMMANDS = [ROOT / "README.md", ROOT / "docs" / "CLI.md"]
+"""Documents whose ``sh`` lines are run, in this order (a line may use an earlier one's output)."""
+
+
 def readme_commands() -> list[str]:
-    """The lines of README.md's ``sh`` blocks, without their comments."""
-    blocks = re.findall(r"^```sh\n(.*?)^```$", (ROOT / "README.md").read_text(), re.S | re.M)
+    """The lines of the ``sh`` blocks of :data:`COMMANDS`, without their comments."""
+    fence = re.compile(r"^```sh\n(.*?)^```$", re.S | re.M)
+    blocks = [block for path in COMMANDS for block in fence.findall(path.read_text())]
     lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line]
 
@@ -162,7 +168,7 @@ def readme_commands() -> list[str]:
 def _readme_command(line: str) -> list[str]:
     words = shlex.split(line)
     if words[0] != "microsparse":
-        raise AssertionError(f"README.md: {line!r} is neither run nor in SKIPPED with a reason")
+        raise AssertionError(f"{line!r} is neither run nor in SKIPPED with a reason")
     command = [str(BIN / "microsparse"), *words[1:]]
     return command + SMALL.get(words[2] if words[1] == "bench" else words[1], [])
 

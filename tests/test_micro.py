@@ -1,4 +1,4 @@
-"""MiCRO on real gloo ranks against the brute-force reference of MICRO_SPEC §2."""
+"""MiCRO on real gloo ranks against the brute-force reference of docs/METHOD.md."""
 
 from __future__ import annotations
 

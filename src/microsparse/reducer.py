@@ -71,14 +71,16 @@ class GradientReducer:
             zeroed where values were sent (momentum factor masking). The average then
             carries the momentum: step the optimiser *without* momentum. 0 (default): the
             residual accumulates g and the optimiser's momentum acts on the sparse average,
-            which trained better in this project's study (docs/EXPERIMENTS.md).
+            which trained better in this project's study
+            (docs/results/runs/2026-12-01_quality-d0001.md).
         momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
         adam_correction: ``(beta1, beta2, eps)``: every worker keeps Adam's moments of its own
             gradients, and the residual accumulates Adam's step m̂ / (√v̂ + ε) instead of the
             gradient, so what is averaged is Adam steps: step with plain SGD at Adam's
             learning rate (no momentum, no weight decay; add an L2 term to the loss instead).
             Adam on the sparse average sees one accumulated value per entry every many steps
-            and zeros between (docs/EXPERIMENTS.md, NeuMF). Not with ``grad_scaler``.
+            and zeros between (docs/results/runs/2026-12-01_quality-d0001.md, NeuMF). Not
+            with ``grad_scaler``.
         density_warmup: ``(start, steps)``: send at density start · (density / start) **
             (t / steps) at step t < steps, then at ``density`` (Deep Gradient Compression's
             warm-up). The extra entries are real traffic; ``DensityWarmup.mean_density`` says

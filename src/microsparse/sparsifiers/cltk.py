@@ -12,8 +12,9 @@ from microsparse.sparsifiers.registry import register_sparsifier
 
 @register_sparsifier
 class CyclicLocalTopK(Sparsifier):
-    """CLT-k (MICRO_SPEC §4): at step t the leader, rank t mod n, selects the top-k of its own
-    |a|, broadcasts those k positions, and all ranks average their values there.
+    """CLT-k (docs/METHOD.md, "Baselines"): at step t the leader, rank t mod n, selects the
+    top-k of its own |a|, broadcasts those k positions, and all ranks average their values
+    there.
 
     Exactly k positions per step, no build-up. Only the leader computes the top-k (the
     reference code computes it on every worker and throws n − 1 of them away), but the others

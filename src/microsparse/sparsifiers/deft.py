@@ -75,7 +75,7 @@ def pack_bins(k: list[int], sizes: list[int], bins: int) -> list[int]:
 
 @register_sparsifier
 class Deft(Sparsifier):
-    """DEFT (MICRO_SPEC §4), with the leader's plan broadcast to everyone.
+    """DEFT (docs/METHOD.md, "Baselines"), with the leader's plan broadcast to everyone.
 
     1. The flat vector is cut at parameter boundaries; parameters larger than d/n are cut
        into n chunks (:func:`layer_fragments`, once).

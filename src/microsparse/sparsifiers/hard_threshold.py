@@ -13,7 +13,8 @@ from microsparse.sparsifiers.threshold import initial_threshold
 
 @register_sparsifier
 class HardThreshold(Sparsifier):
-    """Send every entry with |a| >= 1/(2·sqrt(k)); the threshold never changes (MICRO_SPEC §4).
+    """Send every entry with |a| >= 1/(2·sqrt(k)); the threshold never changes
+    (docs/METHOD.md, "Baselines").
 
     One compare over all d entries per rank. Nothing ties the count to k, so the density
     drifts with the gradient scale, and the union over ranks adds build-up.

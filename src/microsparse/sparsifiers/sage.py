@@ -26,7 +26,7 @@ def slovin_sample_size(numel: int, margin: float = 0.05) -> int:
 
 @register_sparsifier
 class Sage(Sparsifier):
-    """SAGE as in the MiCRO authors' reference code (MICRO_SPEC §4).
+    """SAGE as in the MiCRO authors' reference code (docs/METHOD.md, "Baselines").
 
     Each rank keeps its own threshold λ, starting at 1/(2·sqrt(k)). From the second step on,
     before selecting, it rescales λ by

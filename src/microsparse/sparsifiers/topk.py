@@ -11,7 +11,7 @@ from microsparse.sparsifiers.registry import register_sparsifier
 
 @register_sparsifier
 class TopK(Sparsifier):
-    """Exact per-worker top-k of |a| over all d entries (MICRO_SPEC §4).
+    """Exact per-worker top-k of |a| over all d entries (docs/METHOD.md, "Baselines").
 
     Every rank picks its own k positions, so the union K lies between k (all ranks agree) and
     n·k (no overlap): the *gradient build-up* that ``StepStats.build_up`` reports. Selection

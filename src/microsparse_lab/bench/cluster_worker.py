@@ -242,7 +242,7 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
             # DDP: the exchange happens inside backward, so wait for everyone first. The bound
             # too keeps the ranks in step, as every exchange does: left to run free, ranks that
             # share cores drift apart, and the last ones run alone, faster than any rank of a
-            # synchronous step could (docs/BENCHMARKS.md has the numbers).
+            # synchronous step could (docs/results/runs/2026-12-02_cluster-floor.md).
             dist.barrier()
         ready = time.perf_counter()
         optimizer.zero_grad(set_to_none=False)

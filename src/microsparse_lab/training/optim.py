@@ -1,4 +1,4 @@
-"""The recipe's optimiser and learning-rate schedule (MICRO_SPEC §5)."""
+"""The recipe's optimiser and learning-rate schedule (docs/METHOD.md, "The paper's recipes")."""
 
 from __future__ import annotations
 

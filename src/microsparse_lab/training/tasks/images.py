@@ -13,7 +13,7 @@ from microsparse_lab.training.data.images import CIFAR_FORMAT, ImageData, cifar_
 from microsparse_lab.training.models import GoogLeNet, ResNet18, SENet18, SmallCNN
 from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
-# The paper's CIFAR recipe (MICRO_SPEC §5).
+# The paper's CIFAR recipe (docs/METHOD.md, "The paper's recipes").
 PAPER_RECIPE = Recipe(
     epochs=200,
     batch_size=32,

@@ -21,7 +21,8 @@ from microsparse_lab.training.data.text import (
 from microsparse_lab.training.models import LSTMLanguageModel
 from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
-# The paper's WikiText-2 recipe (MICRO_SPEC §5): plain SGD, clipping of the averaged gradient.
+# The paper's WikiText-2 recipe (docs/METHOD.md, "The paper's recipes"): plain SGD, clipping
+# of the averaged gradient.
 PAPER_RECIPE = Recipe(
     epochs=90,
     batch_size=32,

@@ -21,8 +21,9 @@ from microsparse_lab.training.models import NeuMF
 from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recipe, Task
 
 TOP_K = 10
-# The paper's MovieLens-20M recipe (MICRO_SPEC §5), with the Adam betas and the 2^20 global
-# batch (at the paper's 4 workers) of the NCF recipe that its learning rate comes from.
+# The paper's MovieLens-20M recipe (docs/METHOD.md, "The paper's recipes"), with the Adam
+# betas and the 2^20 global batch (at the paper's 4 workers) of the NCF recipe that its
+# learning rate comes from.
 PAPER_RECIPE = Recipe(
     epochs=30, batch_size=2**18, optimizer="adam", lr=0.0045, betas=(0.25, 0.9949)
 )
