@@ -502,7 +502,10 @@ class Slabs:
             + ([] if moments is None else list(moments[i]))  # type: ignore[index]
             for i, residual in enumerate(saved.residuals)
         ]
-        self._restored = saved if saved.slabs else None
+        # A dense average selects nothing, so the saved grouping changes nothing: dense slabs
+        # follow DDP's buckets from the first pass, their residuals moving in by parameter.
+        keeps_slabs = saved.slabs and self._make().name != "dense"
+        self._restored = saved if keeps_slabs else None
 
     def check_complete(self) -> None:
         """At the end of a restored pass: every parameter must have been in a saved slab."""
