@@ -133,51 +133,28 @@ class SparseState:
         self.nonfinite = nonfinite
         self.grad_scaler = grad_scaler
         self.process_group = process_group
-        self.momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
-        self.adam = None if adam_correction is None else check_adam(adam_correction)
-        if self.adam is not None and (grad_scaler is not None or self.momentum[0]):
-            raise ValueError(
-                "adam_correction keeps Adam's moments of unscaled gradients and replaces "
-                "momentum correction: use it without grad_scaler and momentum_correction"
-            )
         # the options' errors, now, with the closest spelling of a misspelt keyword
         owner = (type(self).__name__, keywords_of(SparseState)[1])
         create_sparsifier(sparsifier, self.density, owner=owner, **options)
-        self._check_corrections()
+        corrections = Corrections.checked(
+            momentum_correction, momentum_nesterov, adam_correction, density_warmup,
+            density=self.density, densely=self.averages_densely, grad_scaler=grad_scaler,
+        )  # fmt: skip
+        self.momentum = corrections.momentum
+        self.adam = corrections.adam
+        self.density_warmup = corrections.warmup
         if not isinstance(one_exchange, bool):
             raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
         self.one_exchange = one_exchange
         self.min_speedup = self._check_min_speedup(min_speedup)
         self.speed = None if self.min_speedup is None else SpeedChoice(self.min_speedup)
         """The timing and choice of ``min_speedup`` (None without it)."""
-        self.density_warmup = DensityWarmup.of(density_warmup)
-        if self.density_warmup is not None:
-            if self.averages_densely:
-                raise ValueError(
-                    "density_warmup needs a sparsifier that selects, but this state averages "
-                    "densely (dense, or density 1): leave density_warmup unset"
-                )
-            self.density_warmup.check(self.density)
         self.step = 0
         """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None
         """Statistics of the last completed backward pass."""
         self._binding: _Binding | None = None
         self._pending: dict[str, Any] | None = None
-
-    def _check_corrections(self) -> None:
-        """Momentum and Adam correction keep the optimiser in the residual: they need one."""
-        if self.adam is not None and self.averages_densely:
-            raise ValueError(
-                "adam_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
-            )
-        if self.momentum[0] and self.averages_densely:
-            raise ValueError(
-                "momentum_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
-                "momentum"
-            )
 
     def _check_min_speedup(self, min_speedup: float | None) -> float | None:
         """``min_speedup``, checked against the options that need every pass sparse."""
@@ -284,12 +261,7 @@ class SparseState:
             "value_dtype": str(self.value_dtype),
             "transactional": self.nonfinite == "raise",
         }
-        if self.momentum[0]:  # absent otherwise: older states still load
-            config["momentum_correction"] = list(self.momentum)
-        if self.adam is not None:
-            config["adam_correction"] = list(self.adam)
-        if self.density_warmup is not None:
-            config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
+        config.update(Corrections(self.momentum, self.adam, self.density_warmup).described())
         if self.one_exchange:  # the slabs, and so the saved thresholds, differ
             config["one_exchange"] = True
         if self.min_speedup is not None:
@@ -390,6 +362,80 @@ class SparseState:
         self.step = int(saved["state"]["step"])
         if self.speed is not None:
             self.speed.load_state_dict(saved["state"].get("speed", {}))
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """Momentum correction, Adam correction and the density warm-up of a sparse state,
+    checked the same way for the DDP hook's state and the FSDP one.
+
+    Example:
+        >>> Corrections.checked(0.9, False, None, (0.01, 50), density=0.001).described()
+        {'momentum_correction': [0.9, False], 'density_warmup': [0.01, 50]}
+    """
+
+    momentum: tuple[float, bool] = (0.0, False)
+    """(m, Nesterov); m = 0: off."""
+    adam: tuple[float, float, float] | None = None
+    warmup: DensityWarmup | None = None
+
+    @classmethod
+    def checked(
+        cls,
+        momentum_correction: float,
+        momentum_nesterov: bool,
+        adam_correction: tuple[float, float, float] | None,
+        density_warmup: DensityWarmup | tuple[float, int] | None,
+        *,
+        density: float,
+        densely: bool = False,
+        grad_scaler: Any = None,
+    ) -> Corrections:
+        """The options as given to a state, or raise naming the option and the fix.
+
+        ``densely``: the state averages densely (the ``dense`` sparsifier, or density 1),
+        which keeps no residual for a correction to go into.
+        """
+        momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
+        adam = None if adam_correction is None else check_adam(adam_correction)
+        clashing = [name for name, on in (("grad_scaler", grad_scaler is not None),
+                                          ("momentum_correction", momentum[0])) if on]  # fmt: skip
+        if adam is not None and clashing:  # names only what was given (FSDP has no scaler)
+            raise ValueError(
+                "adam_correction keeps Adam's moments of unscaled gradients and replaces "
+                f"momentum correction: use it without {' and '.join(clashing)}"
+            )
+        if adam is not None and densely:
+            raise ValueError(
+                "adam_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
+            )
+        if momentum[0] and densely:
+            raise ValueError(
+                "momentum_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
+                "momentum"
+            )
+        warmup = DensityWarmup.of(density_warmup)
+        if warmup is not None:
+            if densely:
+                raise ValueError(
+                    "density_warmup needs a sparsifier that selects, but this state averages "
+                    "densely (dense, or density 1): leave density_warmup unset"
+                )
+            warmup.check(density)
+        return cls(momentum, adam, warmup)
+
+    def described(self) -> dict[str, Any]:
+        """The options that are on, by name (absent when off, so older states still load)."""
+        described: dict[str, Any] = {}
+        if self.momentum[0]:
+            described["momentum_correction"] = list(self.momentum)
+        if self.adam is not None:
+            described["adam_correction"] = list(self.adam)
+        if self.warmup is not None:
+            described["density_warmup"] = [self.warmup.start, self.warmup.steps]
+        return described
 
 
 class MicroState(SparseState):
