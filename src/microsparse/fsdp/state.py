@@ -13,12 +13,12 @@ from torch import nn
 from microsparse.comm import ProcessGroupCollectives
 from microsparse.comm.collectives import check_agreement
 from microsparse.ddp.slabs import Job, Slab
-from microsparse.ddp.state import VALUE_DTYPES, Corrections, PassRecord
+from microsparse.ddp.state import PassRecord
 from microsparse.engine import FlatOutput
-from microsparse.engine.step import NONFINITE, NonFinite, run_blocking
+from microsparse.engine.step import NonFinite, run_blocking
+from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
-from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
-from microsparse.sparsifiers.base import validate_density
+from microsparse.sparsifiers import keywords_of
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import StepStats
 
@@ -113,25 +113,13 @@ class ShardedState:
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
-        if value_dtype not in VALUE_DTYPES:
-            raise ValueError(
-                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
-            )
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
-        self.group = _replicate_group(replicate)
-        self.sparsifier = sparsifier
-        self.density = validate_density(density)
-        self.options = dict(options)
-        self.value_dtype = value_dtype
-        self.nonfinite = nonfinite
-        owner = ("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1])
-        create_sparsifier(sparsifier, self.density, owner=owner, **options)
-        self.corrections = Corrections.checked(
-            momentum_correction, momentum_nesterov, adam_correction, density_warmup,
-            density=self.density, densely=self.averages_densely,
+        self.sparse_options = SparseOptions(
+            sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
+            adam_correction, density_warmup, options,
+            owner=("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1]),
         )  # fmt: skip
-        """Momentum or Adam correction and the density warm-up, as given and checked."""
+        """Every option of the sparse step, checked."""
+        self.group = _replicate_group(replicate)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         """This rank's place and the number of replicas (the exchange's n)."""
@@ -150,9 +138,13 @@ class ShardedState:
         self._restored: dict[int, dict[str, Any]] | None = None
 
     @property
+    def density(self) -> float:
+        return self.sparse_options.density
+
+    @property
     def averages_densely(self) -> bool:
         """Density 1, or the ``dense`` sparsifier: hybrid sharding's plain average."""
-        return self.density >= 1.0 or self.sparsifier == "dense"
+        return self.sparse_options.averages_densely
 
     def attach(self, model: nn.Module) -> None:
         """Register the exchange on every FSDP module of ``model`` (see :func:`sparsify`)."""
@@ -249,10 +241,7 @@ class ShardedState:
         offset = self._offset if saved is None else int(saved["offset"])
         # A stand-in of the shard's shape: the slab must not keep FSDP's gradient alive.
         like = torch.empty((), dtype=shard.dtype, device=shard.device).expand(shard.shape)
-        corrections = self.corrections
-        slab = Slab([like], [number], self._make_sparsifier(), offset, self.rank,
-                    self.world_size, self.value_dtype, self.nonfinite, corrections.momentum,
-                    corrections.warmup, corrections.adam)  # fmt: skip
+        slab = Slab([like], [number], self.sparse_options, offset, self.rank, self.world_size)
         self._offset = max(self._offset, offset + shard.numel())
         self._offsets[number] = offset
         if saved is not None:
@@ -268,22 +257,18 @@ class ShardedState:
         self._slabs[number] = slab
         return slab
 
-    def _make_sparsifier(self) -> Sparsifier:
-        if self.averages_densely:
-            return create_sparsifier("dense", 1.0)
-        return create_sparsifier(self.sparsifier, self.density, **self.options)
-
     # ---- agreement and checkpoints --------------------------------------------------------
 
     def described(self) -> dict[str, Any]:
         """The options every replica must share, by name."""
+        options = self.sparse_options
         return {
-            "sparsifier": self.sparsifier,
-            "density": self.density,
-            "options": sorted(self.options.items()),
-            "value_dtype": str(self.value_dtype),
-            "nonfinite": self.nonfinite,
-            **self.corrections.described(),
+            "sparsifier": options.sparsifier,
+            "density": options.density,
+            "options": sorted(options.options.items()),
+            "value_dtype": str(options.value_dtype),
+            "nonfinite": options.nonfinite,
+            **options.corrections(),
             "shard (this rank's place, shard size)": self._shard,
         }
 
