@@ -50,7 +50,6 @@ import torch
 from tqdm import tqdm
 
 from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes, broadcast_bytes
-from microsparse.layout import Layout
 from microsparse_lab.bench import costmodel, peermodel
 from microsparse_lab.bench.capture import CapturedGradients, load_capture
 from microsparse_lab.bench.output import (
@@ -60,11 +59,10 @@ from microsparse_lab.bench.output import (
     significant,
     write_results,
 )
+from microsparse_lab.bench.streams import Stream
 from microsparse_lab.bench.virtual import StepRecord, VirtualCluster, zero_gradient
 from microsparse_lab.bench.workload import (
     RESNET18_NUMEL,
-    expand,
-    layer_rms,
     layout_from_sizes,
     model_layout,
     synthetic_gradient,
@@ -97,68 +95,44 @@ class SimulateConfig:
     seed: int = 0
 
 
-class Stream:
-    """The shared component s_t and the noise scale of every entry."""
+def simulated_stream(config: SimulateConfig) -> Stream:
+    """The stream of the module docstring: s_t the captured ranks' mean (cycled) or a
+    synthetic draw, ρ given, estimated from the captured ranks, or 1.0."""
+    estimated: float | None = None
+    if config.capture:
+        capture = load_capture(config.capture)
+        layout, name = capture.layout, "captured"
+        if len(capture.ranks) > 1:
+            estimated = estimate_noise_ratio(capture)
+        cache: dict[int, torch.Tensor] = {}
 
-    def __init__(self, config: SimulateConfig) -> None:
-        self.capture: CapturedGradients | None = None
-        self.estimated_noise_ratio: float | None = None
-        if config.capture:
-            self.capture = load_capture(config.capture)
-            self.layout: Layout = self.capture.layout
-            self._cache: dict[int, torch.Tensor] = {}
-            if len(self.capture.ranks) > 1:
-                self.estimated_noise_ratio = estimate_noise_ratio(self.capture)
-        else:
-            self.layout = model_layout(config.numel)
-        given = config.noise_ratio
-        self.noise_ratio = (
-            given
-            if given is not None
-            else self.estimated_noise_ratio
-            if self.estimated_noise_ratio is not None
-            else DEFAULT_NOISE_RATIO
+        def shared(step: int, generator: torch.Generator) -> torch.Tensor:
+            index = step % capture.steps
+            if index not in cache:
+                cache[index] = capture.mean_gradient(index)
+            return cache[index]
+
+        meta = capture.metadata
+        source = (
+            f"captured gradients of {meta.get('task', '?')}/{meta.get('model', '?')} "
+            f"({len(capture.ranks)} ranks × {capture.steps} steps, mean over "
+            f"ranks), d = {layout.numel:,}"
         )
-        self.seed = config.seed
+    else:
+        layout, name = model_layout(config.numel), "synthetic"
 
-    def describe(self) -> str:
-        if self.capture is None:
-            source = f"synthetic Gaussian with per-layer scales, d = {self.layout.numel:,}"
-        else:
-            meta = self.capture.metadata
-            source = (
-                f"captured gradients of {meta.get('task', '?')}/{meta.get('model', '?')} "
-                f"({len(self.capture.ranks)} ranks × {self.capture.steps} steps, mean over "
-                f"ranks), d = {self.layout.numel:,}"
-            )
-        how = (
-            "estimated from the captured ranks"
-            if self.estimated_noise_ratio is not None
-            and (self.noise_ratio == self.estimated_noise_ratio)
-            else "given"
-        )
-        return f"{source}; noise ρ = {self.noise_ratio:.3g} ({how})"
+        def shared(step: int, generator: torch.Generator) -> torch.Tensor:
+            return synthetic_gradient(layout, generator)
 
-    def shared(self, step: int, generator: torch.Generator) -> torch.Tensor:
-        if self.capture is None:
-            return synthetic_gradient(self.layout, generator)
-        index = step % self.capture.steps
-        if index not in self._cache:
-            self._cache[index] = self.capture.mean_gradient(index)
-        return self._cache[index]
-
-    def source(
-        self, step: int, generator: torch.Generator
-    ) -> Callable[[int, torch.Tensor], torch.Tensor]:
-        """``gradient_for(rank, out)`` of step ``step``: s_t + ρ·rms_layer(s_t)·z."""
-        shared = self.shared(step, generator)
-        scale = expand(self.noise_ratio * layer_rms(shared, self.layout), self.layout)
-
-        def gradient_for(rank: int, out: torch.Tensor) -> torch.Tensor:
-            torch.randn(out.shape, generator=generator, out=out)
-            return out.mul_(scale).add_(shared)
-
-        return gradient_for
+        source = f"synthetic Gaussian with per-layer scales, d = {layout.numel:,}"
+    ratio = config.noise_ratio
+    if ratio is None:
+        ratio = estimated if estimated is not None else DEFAULT_NOISE_RATIO
+    how = "given"
+    if estimated is not None and ratio == estimated:
+        how = "estimated from the captured ranks"
+    description = f"{source}; noise ρ = {ratio:.3g} ({how})"
+    return Stream(name, layout, shared, description, noise_ratio=ratio)
 
 
 def estimate_noise_ratio(capture: CapturedGradients, steps: int = 20) -> float:
@@ -296,7 +270,7 @@ def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
     With ``progress``, the plan (:class:`Plan`) and a bar of worker-steps with the time left
     go to stderr, one line per finished run to stdout.
     """
-    stream = Stream(config)
+    stream = simulated_stream(config)
     layout = stream.layout
     chosen = find_variants(config.only, config.density)
     plan = Plan(len(chosen), tuple(config.workers), config.steps, layout.numel)
@@ -310,7 +284,7 @@ def run(config: SimulateConfig, progress: bool = True) -> dict[str, Any]:
     return {
         "benchmark": "simulate",
         "config": asdict(config),
-        "stream": stream.describe(),
+        "stream": stream.description,
         "noise_ratio": stream.noise_ratio,
         "numel": layout.numel,
         "machine": started,
