@@ -60,6 +60,7 @@ from microsparse_lab.bench.output import (
     write_results,
 )
 from microsparse_lab.bench.streams import Stream
+from microsparse_lab.bench.validation import validate_against_cluster
 from microsparse_lab.bench.virtual import StepRecord, VirtualCluster, zero_gradient
 from microsparse_lab.bench.workload import (
     RESNET18_NUMEL,
@@ -632,7 +633,7 @@ def markdown_validation(validation: dict[str, Any]) -> str:
 
 
 def markdown_peer_validation(rows: list[dict[str, Any]]) -> str:
-    """The peers' rows of the validation (:func:`peermodel.validate_peers`)."""
+    """The peers' rows of the validation (:meth:`validation.PeerModel.row`)."""
     headers = ["hosts", "link", "peer", "step ms (measured)", "base", "base step", "local ms",
                "collectives ms (probed)", "model: nothing hidden", "model: all hidden",
                "model / measured", "MB (model)", "MB (wire)"]  # fmt: skip
@@ -661,8 +662,9 @@ def validate(
     latency_us: float,
     select_results: str | Path | None = None,
 ) -> dict[str, Any]:
-    """:func:`costmodel.validate_against_cluster` on a ``results.json``, with this run's
-    shapes; a note instead of rows when the file is not there.
+    """:func:`~microsparse_lab.bench.validation.validate_against_cluster` on a
+    ``results.json``, with this run's shapes; a note instead of rows when the file is not
+    there.
 
     With ``select_results`` (``bench select``'s JSON), the exchange's own CPU work is added
     to the network model: whole per-step overhead − selection − the error-feedback add
@@ -687,12 +689,12 @@ def validate(
             "nearest d and n"
         )
     measured = json.loads(path.read_text())
-    rows = costmodel.validate_against_cluster(measured, latency_us, shapes_from(result), local)
+    rows, peer_rows = validate_against_cluster(measured, latency_us, shapes_from(result), local)
     return {
         "source": str(path),
         "latency_us": latency_us,
         "rows": rows,
-        "peer_rows": peermodel.validate_peers(measured, latency_us),
+        "peer_rows": peer_rows,
         "note": "",
         "local_source": local_source,
     }
