@@ -149,7 +149,7 @@ def captured_stream(config: ControllerConfig) -> Stream:
     steps = min(config.steps, capture.steps)
     cache: dict[int, torch.Tensor] = {}
 
-    def shared(step: int, generator: torch.Generator) -> torch.Tensor:
+    def shared(step: int, generator: Generator) -> torch.Tensor:
         if step not in cache:
             cache[step] = capture.gradient(capture.ranks[0], step)
         return cache[step]
