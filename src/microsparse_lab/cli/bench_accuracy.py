@@ -27,22 +27,34 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "run's final metric, fixed here in advance). Options after -- go to every "
         "microsparse train (e.g. -- --epochs 10).",
     )
+    arguments.add_fields(
+        parser,
+        full,
+        task=dict(help="(default: %(default)s)"),
+        hosts=dict(type=bench_options.host_count, help="(default: %(default)s)"),
+        rates=dict(
+            type=bench_options.listing(bench_options.link_rate),
+            help=f"link rates, tc syntax (default {','.join(full.rates)})",
+        ),
+        methods=dict(
+            type=bench_options.methods,
+            help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
+            "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density "
+            f"(default {','.join(full.methods)})",
+        ),
+        density=dict(type=arguments.density, help="(default: %(default)s)"),
+        seed=dict(type=int, help="(default: %(default)s)"),
+        target_fraction=dict(
+            type=arguments.positive_float,
+            help="target: this fraction of the dense run's final metric (lower is better: "
+            "2 - fraction of it) (default: %(default)s)",
+        ),
+        timeout=dict(
+            type=arguments.positive_float,
+            help="seconds one training may take (default: %(default)s)",
+        ),
+    )
     add = parser.add_argument
-    add("--task", default=full.task, help="(default: %(default)s)")
-    add("--hosts", type=bench_options.host_count, default=full.hosts, help="(default: %(default)s)")
-    add("--rates", type=bench_options.listing(bench_options.link_rate), default=full.rates,
-        help=f"link rates, tc syntax (default {','.join(full.rates)})")  # fmt: skip
-    add("--methods", type=bench_options.methods, default=full.methods,
-        help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
-        "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density "
-        f"(default {','.join(full.methods)})")  # fmt: skip
-    add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
-    add("--seed", type=int, default=full.seed, help="(default: %(default)s)")
-    add("--target-fraction", type=arguments.positive_float, default=full.target_fraction,
-        help="target: this fraction of the dense run's final metric (lower is better: "
-        "2 - fraction of it) (default: %(default)s)")  # fmt: skip
-    add("--timeout", type=arguments.positive_float, default=full.timeout,
-        help="seconds one training may take (default: %(default)s)")  # fmt: skip
     add("--out", default=None, help="output directory (default runs/bench-accuracy-TIMESTAMP)")
     add("train_args", nargs="*", metavar="-- TRAIN_OPTION", help="passed to every training")
     parser.set_defaults(run=_run, parser=parser)
@@ -63,12 +75,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"{', '.join(clash)} after --: set by bench accuracy itself (use its own "
                      "options)")  # fmt: skip
     try:  # checked before anything is built, and before the refusal of non-root
-        config = accuracy.AccuracyConfig(
-            task=args.task, hosts=args.hosts, rates=args.rates, methods=args.methods,
-            density=args.density, seed=args.seed, target_fraction=args.target_fraction,
-            train_args=tuple(args.train_args), timeout=args.timeout,
-            out=args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}",
-        )  # fmt: skip
+        out = args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}"
+        train_args = tuple(args.train_args)
+        config = arguments.config_from(
+            accuracy.AccuracyConfig, args, train_args=train_args, out=out
+        )
     except ValueError as error:
         field, _, problem = str(error).partition(": ")
         parser.error(f"argument --{field.replace('_', '-')}: {problem}")

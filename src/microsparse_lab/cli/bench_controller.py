@@ -24,76 +24,41 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "gradients; report steps to converge and |K/k - 1|. Writes controller.json, "
         "controller.md and density_vs_step.png to --out.",
     )
-    add = parser.add_argument
-    add(
-        "--numel",
-        type=arguments.positive_int,
-        default=None,
-        help=f"synthetic d (default {full.numel:,}; quick {QUICK['numel']:,})",
+    arguments.add_fields(
+        parser,
+        full,
+        quick=QUICK,
+        numel=dict(type=arguments.positive_int, help="synthetic d"),
+        density=dict(type=arguments.density, help="synthetic density, k = 10,000 by default"),
+        steps=dict(type=arguments.positive_int),
+        drop_at=dict(type=arguments.positive_int, help="step where the scale drops"),
+        rise_at=dict(type=arguments.positive_int, help="step where it rises back"),
+        drop_factor=dict(type=arguments.positive_float, help="(default: %(default)s)"),
+        initial_excess=dict(
+            type=arguments.positive_float,
+            help="synthetic: λ_0 selects this many times k at step 0 (default: %(default)s)",
+        ),
+        capture=dict(
+            metavar="DIR",
+            help="also replay rank 0's gradients from microsparse train --capture-gradients DIR",
+        ),
+        capture_density=dict(
+            type=arguments.density,
+            help="density for the captured stream (default: the least with k >= 10,000)",
+        ),
+        rules=dict(
+            type=bench_options.listing(_rule),
+            help=f"threshold rules (default: all: {', '.join(THRESHOLD_RULES)})",
+        ),
+        workers=dict(
+            type=arguments.positive_int,
+            help="virtual workers; 1 is a GradientReducer without a process group "
+            "(default: %(default)s)",
+        ),
     )
-    add(
-        "--density",
-        type=arguments.density,
-        default=None,
-        help=f"synthetic density (default {full.density}, k = 10,000; quick {QUICK['density']})",
+    bench_options.add_common(
+        parser, "controller", "rewrite the table and plot", "d = 200,000 at density 0.05, 400 steps"
     )
-    add(
-        "--steps",
-        type=arguments.positive_int,
-        default=None,
-        help=f"(default {full.steps}; quick {QUICK['steps']})",
-    )
-    add(
-        "--drop-at",
-        type=arguments.positive_int,
-        default=None,
-        help=f"step where the scale drops (default {full.drop_at}; quick {QUICK['drop_at']})",
-    )
-    add(
-        "--rise-at",
-        type=arguments.positive_int,
-        default=None,
-        help=f"step where it rises back (default {full.rise_at}; quick {QUICK['rise_at']})",
-    )
-    add(
-        "--drop-factor",
-        type=arguments.positive_float,
-        default=full.drop_factor,
-        help="(default: %(default)s)",
-    )
-    add(
-        "--initial-excess",
-        type=arguments.positive_float,
-        default=full.initial_excess,
-        help="synthetic: λ_0 selects this many times k at step 0 (default: %(default)s)",
-    )
-    add(
-        "--capture",
-        metavar="DIR",
-        default=None,
-        help="also replay rank 0's gradients from microsparse train --capture-gradients DIR",
-    )
-    add(
-        "--capture-density",
-        type=arguments.density,
-        default=None,
-        help="density for the captured stream (default: the least with k >= 10,000)",
-    )
-    add(
-        "--rules",
-        type=bench_options.listing(_rule),
-        default=None,
-        help=f"threshold rules (default: all: {', '.join(THRESHOLD_RULES)})",
-    )
-    add(
-        "--workers",
-        type=arguments.positive_int,
-        default=1,
-        help="virtual workers; 1 is a GradientReducer without a process group (default: 1)",
-    )
-    bench_options.add_from(parser, "controller", "rewrite the table and plot")
-    add("--quick", action="store_true", help="d = 200,000 at density 0.05, 400 steps")
-    bench_options.add_common(parser, "controller")
     parser.set_defaults(run=_run, parser=parser)
 
 
@@ -105,20 +70,7 @@ def _rule(text: str) -> str:
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = bench_options.prepare(args, "controller")
-    preset = QUICK if args.quick else {}
-    chosen = {
-        name: getattr(args, name) if getattr(args, name) is not None else preset.get(name)
-        for name in ("numel", "density", "steps", "drop_at", "rise_at")
-    }
-    config = controller.ControllerConfig(
-        **{name: value for name, value in chosen.items() if value is not None},
-        drop_factor=args.drop_factor,
-        initial_excess=args.initial_excess,
-        capture=args.capture,
-        capture_density=args.capture_density,
-        rules=args.rules,
-        workers=args.workers,
-    )
+    config = arguments.config_from(controller.ControllerConfig, args, QUICK)
     if not config.drop_at < config.rise_at <= config.steps:
         parser.error(
             f"arguments --drop-at/--rise-at: need drop-at < rise-at <= steps, got "

@@ -93,16 +93,17 @@ def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_from(parser: argparse.ArgumentParser, name: str, what: str) -> None:
-    """``--from FILE``: ``what`` from an earlier ``NAME.json`` instead of measuring again
-    (:func:`measure_or_load` reads it)."""
-    help = f"{what} from an earlier {name}.json instead of measuring"
-    parser.add_argument("--from", dest="from_file", metavar="FILE", default=None, help=help)
-
-
-def add_common(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
+def add_common(
+    parser: argparse.ArgumentParser, name: str, redo: str, quick: str | None = None
+) -> None:
+    """``--from FILE`` (to ``redo`` from an earlier ``NAME.json`` instead of measuring again:
+    :func:`measure_or_load` reads it), ``--quick`` where it has a ``quick`` help, ``--out``,
+    ``--threads``, ``--no-plots``, ``--quiet``."""
     add = parser.add_argument
+    add("--from", dest="from_file", metavar="FILE", default=None,
+        help=f"{redo} from an earlier {name}.json instead of measuring")  # fmt: skip
+    if quick is not None:
+        add("--quick", action="store_true", help=quick)
     add("--out", default=None, help=f"output directory (default runs/bench/{name}-TIMESTAMP)")
     add(
         "--threads",

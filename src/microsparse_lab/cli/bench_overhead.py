@@ -23,28 +23,31 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "--loopback-ranks gloo ranks on loopback timing synchronize() against a dense "
         "all-reduce of the same gradient. Writes overhead.json and overhead.md to --out.",
     )
-    add = parser.add_argument
-    add("--sizes", type=bench_options.positive_ints, default=full.sizes,
-        help="vector lengths d (default: %(default)s)")  # fmt: skip
-    add("--partitions", type=bench_options.positive_ints, default=full.partitions,
-        help="worker counts n (default: %(default)s)")  # fmt: skip
-    add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
-    add("--repeats", type=arguments.positive_int, default=full.repeats,
-        help="timed calls per measurement (default: %(default)s)")  # fmt: skip
-    add("--loopback-ranks", type=arguments.non_negative_int, default=full.loopback_ranks,
-        help="gloo ranks comparing with all-reduce, 0 to skip (default: %(default)s)")  # fmt: skip
-    bench_options.add_from(parser, "overhead", "rewrite the table")
-    bench_options.add_common(parser, "overhead")
+    arguments.add_fields(
+        parser,
+        full,
+        sizes=dict(
+            type=bench_options.positive_ints, help="vector lengths d (default: %(default)s)"
+        ),
+        partitions=dict(
+            type=bench_options.positive_ints, help="worker counts n (default: %(default)s)"
+        ),
+        density=dict(type=arguments.density, help="(default: %(default)s)"),
+        repeats=dict(
+            type=arguments.positive_int, help="timed calls per measurement (default: %(default)s)"
+        ),
+        loopback_ranks=dict(
+            type=arguments.non_negative_int,
+            help="gloo ranks comparing with all-reduce, 0 to skip (default: %(default)s)",
+        ),
+    )
+    bench_options.add_common(parser, "overhead", "rewrite the table")
     parser.set_defaults(run=_run, parser=parser)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     out = bench_options.prepare(args, "overhead")
-    config = overhead.OverheadConfig(
-        sizes=args.sizes, partitions=args.partitions, density=args.density,
-        repeats=args.repeats, loopback_ranks=args.loopback_ranks,
-        loopback_repeats=args.repeats,
-    )  # fmt: skip
+    config = arguments.config_from(overhead.OverheadConfig, args, loopback_repeats=args.repeats)
     result = bench_options.measure_or_load(
         args, parser, lambda: overhead.run(config, progress=not args.quiet)
     )
