@@ -1,11 +1,13 @@
-"""Argument types shared by the commands: each rejects bad input with a message naming the fix."""
+"""The commands' arguments: types that reject bad input with a message naming the fix, options
+built from config dataclasses, and the commands themselves."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, field, fields
 from typing import Any, TypeVar
 
@@ -124,11 +126,11 @@ def add_fields(
     name than ``--field-name``); a ``prefix`` goes before every name (``--predict-numel``). The
     parsed value is ``args.PREFIX_NAME`` unless a ``dest`` says.
 
-    The default is the field's value in ``config`` (an instance), so that ``%(default)s`` in
-    the help shows it. ``config`` a class leaves every default ``None``, so that what was
-    given tells itself apart, and ``%(default)s`` shows the class's default. A field in
-    ``quick`` defaults to ``None`` too, its help naming both values, and :func:`config_from`
-    fills it in.
+    The default is the field's value in ``config`` (an instance), and the help ends naming it
+    (and ``quick``'s value, where that holds the field) unless it speaks of its default
+    itself; a field in ``quick`` defaults to ``None``, and :func:`config_from` fills it in.
+    ``config`` a class leaves every default ``None``, so that what was given tells itself
+    apart, and ``%(default)s`` in the help shows the class's default.
 
     Example:
         >>> from dataclasses import dataclass
@@ -149,11 +151,10 @@ def add_fields(
             shown = str(_default(declared[name]))
             how["help"] = how.get("help", "").replace("%(default)s", shown) or None
             how.setdefault("default", None)
-        elif quick and name in quick and "default" not in how:
-            note = f"(default {_show(getattr(config, name))}; quick {_show(quick[name])})"
-            how["help"] = f"{how['help']} {note}" if how.get("help") else note
-            how["default"] = None
-        how.setdefault("default", getattr(config, name, None))
+        elif "default" not in how:
+            value = getattr(config, name)
+            how["default"] = None if quick and name in quick else value
+            how["help"] = _with_default(how.get("help"), value, (quick or {}).get(name))
         how.setdefault("dest", prefix + name)
         parser.add_argument(how.pop("flag", "--" + (prefix + name).replace("_", "-")), **how)
 
@@ -190,7 +191,30 @@ def _default(declared: Field) -> Any:
     return declared.default
 
 
+def _with_default(help: str | None, value: Any, quick: Any) -> str | None:
+    """``help`` naming the default (and --quick's value), unless it speaks of it itself."""
+    if help is not None and "(default" in help or value is None:
+        return help
+    note = f"(default: {_show(value)}" + ("" if quick is None else f"; quick: {_show(quick)}") + ")"
+    return f"{help} {note}" if help else note
+
+
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return ",".join(map(str, value))
     return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def command(
+    commands: argparse._SubParsersAction, name: str, run: Callable[..., int], **fields: str
+) -> argparse.ArgumentParser:
+    """Add the command ``name``, whose parsed arguments run ``run(args, parser)``.
+
+    The command documents itself once, in ``run``'s docstring: its first paragraph is the
+    help in the list of commands, the rest the description of ``name --help`` (``{field}``s
+    filled in from ``fields``)."""
+    summary, _, body = (inspect.getdoc(run) or "").partition("\n\n")
+    description = body.format(**fields) if fields else body
+    parser = commands.add_parser(name, help=" ".join(summary.split()), description=description)
+    parser.set_defaults(run=run, parser=parser)
+    return parser

@@ -13,13 +13,7 @@ import time
 from microsparse.sparsifiers import available_sparsifiers
 from microsparse_lab import arguments
 from microsparse_lab.bench import netns
-from microsparse_lab.bench.cluster import (
-    QUICK,
-    BenchConfig,
-    BenchError,
-    refusal,
-    run_benchmark,
-)
+from microsparse_lab.bench.cluster import QUICK, BenchConfig, BenchError, refusal, run_benchmark
 from microsparse_lab.bench.cluster_worker import MODELS
 from microsparse_lab.cli import (
     bench_accuracy,
@@ -44,15 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
     """``microsparse bench cluster``: hosts as network namespaces on shaped links."""
-    cluster = benchmarks.add_parser(
-        "cluster",
-        help="step time of every sparsifier on a real, bandwidth-limited cluster (needs root)",
-        description="Build 2 and 4 hosts as network namespaces on a bridge, every link shaped "
-        "with tc tbf (1 Gbit/s, 100 Mbit/s), run one gloo worker per host, and time training "
-        "steps (compute, select, exchange) with dense, every sparsifier, and `none` (the same "
-        "training without any exchange). Writes results.json, results.md and cluster.png to "
-        "--out. Needs root and iproute2; removes every namespace it made, also on Ctrl-C.",
-    )
+    cluster = arguments.command(benchmarks, "cluster", _cluster)
     names = ", ".join(available_sparsifiers())
     arguments.add_fields(
         cluster,
@@ -62,9 +48,7 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
             type=bench_options.listing(bench_options.host_count),
             help="host counts, comma-separated",
         ),
-        rates=dict(
-            type=bench_options.listing(bench_options.link_rate), help="link rates, tc syntax"
-        ),
+        **bench_options.shared("rates"),
         sparsifiers=dict(
             type=bench_options.methods,
             help=f"methods: a sparsifier ({names}) for the loop API, NAME@ddp for the DDP hook "
@@ -73,7 +57,7 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
             "peer: ddp, fp16, bf16, powersgd(rank=R); none@ddp (DDP's own cost, no exchange) and "
             "none (the no-exchange bound)",
         ),
-        density=dict(type=arguments.density, help="(default: %(default)s)"),
+        **bench_options.shared("density"),
         steps=dict(type=arguments.positive_int, help="recorded steps per sparsifier"),
         warmup=dict(type=arguments.non_negative_int, help="unrecorded steps before every round"),
         rounds=dict(
@@ -83,23 +67,17 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         ),
         model=dict(
             choices=sorted(MODELS),
-            help="resnet18: the CIFAR ResNet-18 (11,173,962 parameters); tiny: 1,514, for tests "
-            "(default: %(default)s)",
+            help="resnet18: the CIFAR ResNet-18 (11,173,962 parameters); tiny: 1,514, for tests",
         ),
         batch_size=dict(
-            type=arguments.positive_int,
-            help="random CIFAR-shaped images per worker and step (default: %(default)s)",
+            type=arguments.positive_int, help="random CIFAR-shaped images per worker and step"
         ),
         threshold_start=dict(
             choices=("settled", "cold"),
             help="settled: warm-up sets thresholds that adapt slowly from step to step (MiCRO's "
-            "paper rules, SAGE) to select the target count; cold: leave them at their start "
-            "(default: %(default)s)",
+            "paper rules, SAGE) to select the target count; cold: leave them at their start",
         ),
-        timeout=dict(
-            type=arguments.positive_float,
-            help="seconds per (hosts, rate) configuration (default: %(default)s)",
-        ),
+        timeout=dict(type=arguments.positive_float, help="seconds per (hosts, rate) configuration"),
     )
     add = cluster.add_argument
     add("--quick", action="store_true", help="a small matrix: " + _describe_quick(QUICK))
@@ -109,7 +87,6 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         action="store_true",
         help="only remove namespaces left by a run that was killed with SIGKILL, and exit",
     )
-    cluster.set_defaults(run=_cluster, parser=cluster)
 
 
 BENCHMARKS = [
@@ -123,6 +100,13 @@ BENCHMARKS = [
 
 
 def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """step time of every sparsifier on a real, bandwidth-limited cluster (needs root)
+
+    Build 2 and 4 hosts as network namespaces on a bridge, every link shaped with tc tbf (1 Gbit/s,
+    100 Mbit/s), run one gloo worker per host, and time training steps (compute, select, exchange)
+    with dense, every sparsifier, and `none` (the same training without any exchange). Writes
+    results.json, results.md and cluster.png to --out. Needs root and iproute2; removes every
+    namespace it made, also on Ctrl-C."""
     problem = refusal()
     if problem:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)

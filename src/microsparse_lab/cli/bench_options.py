@@ -82,15 +82,26 @@ def link_rate(text: str) -> str:
     return text.strip().lower()
 
 
-def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
-    """``--sparsifiers``: the variants to run, each a label or ``name(key=value,...)``."""
-    parser.add_argument(
-        "--sparsifiers",
+SHARED: dict[str, dict[str, Any]] = {
+    "density": dict(type=arguments.density),
+    "sizes": dict(type=positive_ints, help="vector lengths d, comma-separated"),
+    "partitions": dict(type=positive_ints, help="worker counts n"),
+    "rates": dict(type=listing(link_rate), help="link rates, tc syntax"),
+    "only": dict(
+        flag="--sparsifiers",
+        metavar="SPARSIFIERS",
         type=names,
         default=None,
         help="labels, or name(key=value,...) for options, e.g. "
         "'micro,micro(selection=threshold)' (default: all)",
-    )
+    ),
+}
+"""The options of config fields that several benchmarks share (for ``add_fields``)."""
+
+
+def shared(*fields: str) -> dict[str, dict[str, Any]]:
+    """The :data:`SHARED` options of ``fields``, to pass on as ``add_fields(**shared(...))``."""
+    return {name: SHARED[name] for name in fields}
 
 
 def add_common(

@@ -8,44 +8,32 @@ from microsparse_lab import arguments
 from microsparse_lab.bench import overhead
 from microsparse_lab.cli import bench_options
 
+OPTIONS = dict(
+    **bench_options.shared("sizes", "partitions", "density"),
+    repeats=dict(type=arguments.positive_int, help="timed calls per measurement"),
+    loopback_ranks=dict(
+        type=arguments.non_negative_int, help="gloo ranks comparing with all-reduce, 0 to skip"
+    ),
+)
+"""The options of OverheadConfig's fields, in the order ``--help`` lists them."""
+
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     """Add ``microsparse bench overhead``."""
-    full = overhead.OverheadConfig()
-    parser = benchmarks.add_parser(
-        "overhead",
-        help="MiCRO's whole step (loop and hook) in read passes over d, its selection against "
-        "the reference's compare, and synchronize() against a dense all-reduce",
-        description="On one thread, in CPU time: the whole per-step overhead of "
-        "GradientReducer.synchronize() and of the DDP hook's step (network taken out) in read "
-        "passes over d; MiCRO's quota selection and the reference's plain compare (at a "
-        "threshold that selects the same count) in passes over the rank's own d/n; then "
-        "--loopback-ranks gloo ranks on loopback timing synchronize() against a dense "
-        "all-reduce of the same gradient. Writes overhead.json and overhead.md to --out.",
-    )
-    arguments.add_fields(
-        parser,
-        full,
-        sizes=dict(
-            type=bench_options.positive_ints, help="vector lengths d (default: %(default)s)"
-        ),
-        partitions=dict(
-            type=bench_options.positive_ints, help="worker counts n (default: %(default)s)"
-        ),
-        density=dict(type=arguments.density, help="(default: %(default)s)"),
-        repeats=dict(
-            type=arguments.positive_int, help="timed calls per measurement (default: %(default)s)"
-        ),
-        loopback_ranks=dict(
-            type=arguments.non_negative_int,
-            help="gloo ranks comparing with all-reduce, 0 to skip (default: %(default)s)",
-        ),
-    )
+    parser = arguments.command(benchmarks, "overhead", _run)
+    arguments.add_fields(parser, overhead.OverheadConfig(), **OPTIONS)
     bench_options.add_common(parser, "overhead", "rewrite the table")
-    parser.set_defaults(run=_run, parser=parser)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """MiCRO's whole step (loop and hook) in read passes over d, its selection against the
+    reference's compare, and synchronize() against a dense all-reduce
+
+    On one thread, in CPU time: the whole per-step overhead of GradientReducer.synchronize() and of
+    the DDP hook's step (network taken out) in read passes over d; MiCRO's quota selection and the
+    reference's plain compare (at a threshold that selects the same count) in passes over the rank's
+    own d/n; then --loopback-ranks gloo ranks on loopback timing synchronize() against a dense
+    all-reduce of the same gradient. Writes overhead.json and overhead.md to --out."""
     out = bench_options.prepare(args, "overhead")
     config = arguments.config_from(overhead.OverheadConfig, args, loopback_repeats=args.repeats)
     result = bench_options.measure_or_load(

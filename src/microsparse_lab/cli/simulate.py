@@ -19,24 +19,12 @@ QUICK = {"workers": (1, 4, 16, 64), "steps": 6, "warmup": 2}
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``microsparse simulate`` to the command parsers."""
     full, model = simulate.SimulateConfig(), simulate.PredictConfig()
-    parser = commands.add_parser(
-        "simulate",
-        help="n virtual workers through every sparsifier: build-up, padding, bytes, selection",
-        description="Run n virtual workers in one process, each with its own sparsifier bound "
-        "as rank r of n and its own residual, on a shared gradient (captured with microsparse "
-        "train --capture-gradients, or synthetic) plus per-worker noise. Reports build-up K/k, "
-        "index padding, bytes sent per worker and selection time as functions of n. With "
-        "--predict, an alpha-beta model of ring collectives predicts step times; with "
-        "--cluster-results, it is compared with microsparse bench cluster's results.json. "
-        "Progress (the plan, then a bar with the time left) goes to stderr. Writes simulate.json, "
-        "simulate.md, simulate.png (and predict.png) to --out.",
-    )
+    parser = arguments.command(commands, "simulate", _run)
     _add_simulation_options(parser, full)
     _add_prediction_options(parser, model)
     quick = f"n = {','.join(map(str, QUICK['workers']))}, {QUICK['steps']} steps"
     redo = "take the simulation (to redo a prediction)"
     bench_options.add_common(parser, "simulate", redo, quick)
-    parser.set_defaults(run=_run, parser=parser)
 
 
 def _add_simulation_options(parser: argparse.ArgumentParser, full: simulate.SimulateConfig) -> None:
@@ -73,16 +61,12 @@ def _add_simulation_options(parser: argparse.ArgumentParser, full: simulate.Simu
         ),
         threshold_start=dict(
             choices=("settled", "cold"),
-            help="settled: adaptive thresholds set to select k at step 0 (default: %(default)s)",
+            help="settled: adaptive thresholds set to select k at step 0",
         ),
-    )
-    bench_options.add_sparsifiers(parser)
-    arguments.add_fields(
-        parser,
-        full,
+        **bench_options.shared("only"),
         value_dtype=dict(
             choices=tuple(simulate.VALUE_BYTES),
-            help="values on the wire, as GradientReducer's value_dtype (default: %(default)s)",
+            help="values on the wire, as GradientReducer's value_dtype",
         ),
     )
 
@@ -108,7 +92,7 @@ def _add_prediction_options(parser: argparse.ArgumentParser, model: simulate.Pre
         parser,
         model,
         prefix="predict_",
-        workers=dict(type=bench_options.positive_ints, help="(default: 16,64,256,1024)"),
+        workers=dict(type=bench_options.positive_ints),
         numel=dict(
             type=arguments.positive_int,
             help="d of the predicted model (default: %(default)s, ResNet-18)",
@@ -117,13 +101,10 @@ def _add_prediction_options(parser: argparse.ArgumentParser, model: simulate.Pre
     arguments.add_fields(
         parser,
         model,
-        latency_us=dict(
-            type=arguments.positive_float, help="alpha, µs per message (default: %(default)s)"
-        ),
+        latency_us=dict(type=arguments.positive_float, help="alpha, µs per message"),
         algorithms=dict(
             choices=costmodel.ALGORITHMS,
-            help="ring: every collective a ring; best: the faster of ring and recursive doubling "
-            "(default: %(default)s)",
+            help="ring: every collective a ring; best: the faster of ring and recursive doubling",
         ),
         compute_ms=dict(
             type=float,
@@ -132,8 +113,7 @@ def _add_prediction_options(parser: argparse.ArgumentParser, model: simulate.Pre
         peers=dict(
             type=_peers,
             help="what users would pick instead, predicted beside the sparsifiers: ddp, fp16, "
-            "bf16, powersgd(rank=R), by commas; 'none' for no peers (default: "
-            f"{','.join(model.peers)})",
+            "bf16, powersgd(rank=R), by commas; 'none' for no peers",
         ),
         select_results=dict(
             metavar="FILE",
@@ -166,10 +146,19 @@ def _peers(text: str) -> tuple[str, ...]:
 
 def config_from(args: argparse.Namespace) -> simulate.SimulateConfig:
     """The simulation that ``args`` ask for: the defaults, ``--quick``'s, or what is given."""
-    return arguments.config_from(simulate.SimulateConfig, args, QUICK, only=args.sparsifiers)
+    return arguments.config_from(simulate.SimulateConfig, args, QUICK)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """n virtual workers through every sparsifier: build-up, padding, bytes, selection
+
+    Run n virtual workers in one process, each with its own sparsifier bound as rank r of n and its
+    own residual, on a shared gradient (captured with microsparse train --capture-gradients, or
+    synthetic) plus per-worker noise. Reports build-up K/k, index padding, bytes sent per worker and
+    selection time as functions of n. With --predict, an alpha-beta model of ring collectives
+    predicts step times; with --cluster-results, it is compared with microsparse bench cluster's
+    results.json. Progress (the plan, then a bar with the time left) goes to stderr. Writes
+    simulate.json, simulate.md, simulate.png (and predict.png) to --out."""
     out = bench_options.prepare(args, "simulate")
     config = config_from(args)
     try:
@@ -184,10 +173,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 2
     if args.predict or args.cluster_results:
         model = arguments.config_from(
-            simulate.PredictConfig,
-            args,
-            workers=args.predict_workers,
-            numel=args.predict_numel,
+            simulate.PredictConfig, args, workers=args.predict_workers, numel=args.predict_numel
         )
         result["prediction"] = simulate.predict(result, model)
     if args.cluster_results:

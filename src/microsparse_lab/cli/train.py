@@ -48,13 +48,7 @@ _AVERAGING = (
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``microsparse train`` to the command parsers; the options are TrainConfig's."""
     tasks = ", ".join(f"{name} ({get_task(name).description})" for name in available_tasks())
-    train = commands.add_parser(
-        "train",
-        help="data-parallel training of the paper's workloads with a sparsifier",
-        description="Data-parallel training, averaging gradients with a sparsifier. Spawns "
-        "--workers local processes, or runs as one rank under torchrun. Tasks: " + tasks + ". "
-        "Hyper-parameters left out come from the task's recipe (the paper's for real data).",
-    )
+    train = arguments.command(commands, "train", _train, tasks=tasks)
     what = train.add_argument_group("what to train")
     add_fields(what, TrainConfig, "task", "model", "data_dir", "model_options", "task_options")
     what.add_argument(
@@ -89,10 +83,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "(its files and checkpoint; a file microsparse did not write is never replaced)",
     )
     add_fields(run, TrainConfig, "capture_gradients", "capture_steps", "progress")
-    train.set_defaults(run=_train, parser=train)
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """data-parallel training of the paper's workloads with a sparsifier
+
+    Data-parallel training, averaging gradients with a sparsifier. Spawns --workers local processes,
+    or runs as one rank under torchrun. Tasks: {tasks}. Hyper-parameters left out come from the
+    task's recipe (the paper's for real data)."""
     env = torchrun_env()
     config, saved_workers = _config(args, parser)
     workers = args.workers or saved_workers or DEFAULT_WORKERS
