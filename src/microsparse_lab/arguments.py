@@ -130,7 +130,8 @@ def add_fields(
     (and ``quick``'s value, where that holds the field) unless it speaks of its default
     itself; a field in ``quick`` defaults to ``None``, and :func:`config_from` fills it in.
     ``config`` a class leaves every default ``None``, so that what was given tells itself
-    apart, and ``%(default)s`` in the help shows the class's default.
+    apart, and ``%(default)s`` in the help shows the class's default. With ``quick``, a
+    ``--quick`` option follows that says what it sets.
 
     Example:
         >>> from dataclasses import dataclass
@@ -157,6 +158,11 @@ def add_fields(
             how["help"] = _with_default(how.get("help"), value, (quick or {}).get(name))
         how.setdefault("dest", prefix + name)
         parser.add_argument(how.pop("flag", "--" + (prefix + name).replace("_", "-")), **how)
+    if quick:
+        given = ", ".join(
+            f"--{name.replace('_', '-')} {_show(value)}" for name, value in quick.items()
+        )
+        parser.add_argument("--quick", action="store_true", help=f"a small run: {given}")
 
 
 def flag(config_class: type, name: str) -> str:

@@ -80,7 +80,6 @@ def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
         timeout=dict(type=arguments.positive_float, help="seconds per (hosts, rate) configuration"),
     )
     add = cluster.add_argument
-    add("--quick", action="store_true", help="a small matrix: " + _describe_quick(QUICK))
     add("--out", default=None, help="output directory (default runs/bench-cluster-TIMESTAMP)")
     add(
         "--remove-stale",
@@ -136,14 +135,3 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{parser.prog}: interrupted; removed every namespace it made", file=sys.stderr)
         return 128 + signum
     return 0
-
-
-def _join(values: tuple) -> str:
-    return ",".join(map(str, values))
-
-
-def _describe_quick(quick: dict) -> str:
-    return (
-        f"hosts {_join(quick['hosts'])}, rates {_join(quick['rates'])}, sparsifiers "
-        f"{_join(quick['sparsifiers'])}, {quick['steps']} steps after {quick['warmup']} warm-up"
-    )

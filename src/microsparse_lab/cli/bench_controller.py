@@ -49,34 +49,23 @@ OPTIONS = dict(
 """The options of ControllerConfig's fields, in the order ``--help`` lists them."""
 
 
-def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    """Add ``microsparse bench controller``."""
-    parser = arguments.command(benchmarks, "controller", _run)
-    arguments.add_fields(parser, controller.ControllerConfig(), quick=QUICK, **OPTIONS)
-    bench_options.add_common(
-        parser, "controller", "rewrite the table and plot", "d = 200,000 at density 0.05, 400 steps"
-    )
-
-
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """actual vs target density per step for every MiCRO threshold rule
 
     Run MiCRO with every threshold rule on a stationary gradient stream, a stream whose scale drops
     to 0.3x and rises again, and (with --capture) real captured gradients; report steps to converge
     and |K/k - 1|. Writes controller.json, controller.md and density_vs_step.png to --out."""
-    out = bench_options.prepare(args, "controller")
     config = arguments.config_from(controller.ControllerConfig, args, QUICK)
     if not config.drop_at < config.rise_at <= config.steps:
         parser.error(
             f"arguments --drop-at/--rise-at: need drop-at < rise-at <= steps, got "
             f"{config.drop_at}, {config.rise_at}, {config.steps}"
         )
-    result = bench_options.measure_or_load(
-        args,
-        parser,
-        lambda: controller.run(config, progress=not args.quiet),
-        (CaptureError, ValueError, OSError),
-    )
-    if result is None:
-        return 2
-    return bench_options.finish(controller.write, controller.markdown, result, out, args)
+    return bench_options.run(args, parser, controller, config, (CaptureError, ValueError, OSError))
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Add ``microsparse bench controller``."""
+    parser = arguments.command(benchmarks, "controller", _run)
+    arguments.add_fields(parser, controller.ControllerConfig(), quick=QUICK, **OPTIONS)
+    bench_options.add_common(parser, "controller", "rewrite the table and plot")

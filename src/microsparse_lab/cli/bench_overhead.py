@@ -18,13 +18,6 @@ OPTIONS = dict(
 """The options of OverheadConfig's fields, in the order ``--help`` lists them."""
 
 
-def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    """Add ``microsparse bench overhead``."""
-    parser = arguments.command(benchmarks, "overhead", _run)
-    arguments.add_fields(parser, overhead.OverheadConfig(), **OPTIONS)
-    bench_options.add_common(parser, "overhead", "rewrite the table")
-
-
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """MiCRO's whole step (loop and hook) in read passes over d, its selection against the
     reference's compare, and synchronize() against a dense all-reduce
@@ -34,11 +27,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     reference's plain compare (at a threshold that selects the same count) in passes over the rank's
     own d/n; then --loopback-ranks gloo ranks on loopback timing synchronize() against a dense
     all-reduce of the same gradient. Writes overhead.json and overhead.md to --out."""
-    out = bench_options.prepare(args, "overhead")
     config = arguments.config_from(overhead.OverheadConfig, args, loopback_repeats=args.repeats)
-    result = bench_options.measure_or_load(
-        args, parser, lambda: overhead.run(config, progress=not args.quiet)
-    )
-    if result is None:
-        return 2
-    return bench_options.finish(overhead.write, overhead.markdown, result, out, args)
+    return bench_options.run(args, parser, overhead, config)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Add ``microsparse bench overhead``."""
+    parser = arguments.command(benchmarks, "overhead", _run)
+    arguments.add_fields(parser, overhead.OverheadConfig(), **OPTIONS)
+    bench_options.add_common(parser, "overhead", "rewrite the table")

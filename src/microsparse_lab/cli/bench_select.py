@@ -35,15 +35,6 @@ OPTIONS = dict(
 """The options of SelectConfig's fields, in the order ``--help`` lists them."""
 
 
-def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    """Add ``microsparse bench select``."""
-    parser = arguments.command(benchmarks, "select", _run)
-    arguments.add_fields(parser, select.SelectConfig(), quick=QUICK, **OPTIONS)
-    bench_options.add_common(
-        parser, "select", "rewrite the table and plots", "d = 1 M, n = 1, 16, 256, 5 repeats"
-    )
-
-
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """per-step cost of every sparsifier's selection and overhead vs top-k and one pass
 
@@ -51,14 +42,15 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with the network taken out) on rank 0 of n, for each vector length d and worker count n, against
     torch.topk over the whole vector and one memory pass over d floats. Medians over repetitions.
     Writes select.json, select.md, select_vs_n.png and overhead_vs_n.png to --out."""
-    out = bench_options.prepare(args, "select")
     devices = args.devices or (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
     if "cuda" in devices and not torch.cuda.is_available():
         parser.error("argument --devices: cuda is not available here")
     config = arguments.config_from(select.SelectConfig, args, QUICK, devices=tuple(devices))
-    result = bench_options.measure_or_load(
-        args, parser, lambda: select.run(config, progress=not args.quiet)
-    )
-    if result is None:
-        return 2
-    return bench_options.finish(select.write, select.markdown, result, out, args)
+    return bench_options.run(args, parser, select, config)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Add ``microsparse bench select``."""
+    parser = arguments.command(benchmarks, "select", _run)
+    arguments.add_fields(parser, select.SelectConfig(), quick=QUICK, **OPTIONS)
+    bench_options.add_common(parser, "select", "rewrite the table and plots")

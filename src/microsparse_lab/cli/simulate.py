@@ -22,9 +22,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = arguments.command(commands, "simulate", _run)
     _add_simulation_options(parser, full)
     _add_prediction_options(parser, model)
-    quick = f"n = {','.join(map(str, QUICK['workers']))}, {QUICK['steps']} steps"
     redo = "take the simulation (to redo a prediction)"
-    bench_options.add_common(parser, "simulate", redo, quick)
+    bench_options.add_common(parser, "simulate", redo)
 
 
 def _add_simulation_options(parser: argparse.ArgumentParser, full: simulate.SimulateConfig) -> None:
