@@ -173,12 +173,15 @@ def flag(config_class: type, name: str) -> str:
 
 
 def config_from(
-    config_class: type[T], args: argparse.Namespace, quick: Mapping[str, Any] = {}, **values: Any
+    config_class: type[T],
+    args: argparse.Namespace,
+    quick: Mapping[str, Any] | None = None,
+    **values: Any,
 ) -> T:
     """``config_class`` with the fields given in ``args`` (``None``: not given), else in
     ``quick`` when ``args.quick`` is set, else its defaults; ``values`` set fields that ``args``
     holds under other names."""
-    preset = quick if getattr(args, "quick", False) else {}
+    preset = quick if quick and getattr(args, "quick", False) else {}
     given = {}
     for f in fields(config_class):
         value = getattr(args, f.name, None)
@@ -212,15 +215,15 @@ def _show(value: Any) -> str:
 
 
 def command(
-    commands: argparse._SubParsersAction, name: str, run: Callable[..., int], **fields: str
+    commands: argparse._SubParsersAction, name: str, run: Callable[..., int], **values: str
 ) -> argparse.ArgumentParser:
     """Add the command ``name``, whose parsed arguments run ``run(args, parser)``.
 
     The command documents itself once, in ``run``'s docstring: its first paragraph is the
-    help in the list of commands, the rest the description of ``name --help`` (``{field}``s
-    filled in from ``fields``)."""
+    help in the list of commands, the rest the description of ``name --help`` (its ``{name}``s
+    filled in from ``values``)."""
     summary, _, body = (inspect.getdoc(run) or "").partition("\n\n")
-    description = body.format(**fields) if fields else body
+    description = body.format(**values) if values else body
     parser = commands.add_parser(name, help=" ".join(summary.split()), description=description)
     parser.set_defaults(run=run, parser=parser)
     return parser
