@@ -40,7 +40,7 @@ _FIELDS = {f.name for f in fields(TrainConfig)}
 _AVERAGING = (
     "sparsifier", "density", "selection", "threshold_rule", "partitioning", "index_message",
     "value_dtype", "momentum_correction", "adam_correction", "density_warmup",
-    "integration", "ddp_hook", "one_exchange", "min_speedup",
+    "integration", "shards", "ddp_hook", "one_exchange", "min_speedup",
 )  # fmt: skip
 """The TrainConfig fields of the "gradient averaging" options, in the order --help lists."""
 

@@ -180,10 +180,19 @@ class TrainConfig:
     )
     integration: str = option(
         "loop",
-        choices=("loop", "ddp"),
+        choices=("loop", "ddp", "fsdp"),
         help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
-        "with the sparse comm hook (the same step, overlapped with backward) "
+        "with the sparse comm hook (the same step, overlapped with backward); fsdp: the model "
+        "sharded by FSDP2 over --shards ranks per replica, the replicas averaging sparsely "
+        "(microsparse.fsdp; with --sparsifier dense, FSDP2's own hybrid sharding) "
         "(default: %(default)s)",
+    )
+    shards: int | None = option(
+        type=arguments.positive_int,
+        metavar="N",
+        help="with --integration fsdp: ranks that shard one replica of the model (the ranks "
+        "of one machine, say); the world size must be a multiple (default: the ranks per "
+        "machine, torchrun's LOCAL_WORLD_SIZE)",
     )
     ddp_hook: str = option(  # or a peer (methods.names)
         "microsparse",
@@ -298,7 +307,9 @@ class TrainConfig:
 def _check_integration(config: TrainConfig) -> None:
     """How the gradients are averaged: the loop, DDP's hook, a peer, and their options."""
     _require(config.optimizer in ("sgd", "adam"), "optimizer", "must be sgd or adam")
-    _require(config.integration in ("loop", "ddp"), "integration", "must be loop or ddp")
+    _require(config.integration in ("loop", "ddp", "fsdp"), "integration",
+             "must be loop, ddp or fsdp")  # fmt: skip
+    _check_sharding(config)
     if config.ddp_hook != "microsparse":
         _check_peer(config)
     microsparse_hook = config.integration == "ddp" and config.ddp_hook == "microsparse"
@@ -328,6 +339,24 @@ def _check_integration(config: TrainConfig) -> None:
         "capture_gradients",
         "needs integration loop (the DDP hook averages gradients during backward)",
     )
+
+
+def _check_sharding(config: TrainConfig) -> None:
+    """What an FSDP2 run takes, and what it does not take yet."""
+    fsdp = config.integration == "fsdp"
+    _require(config.shards is None or fsdp, "shards", "is an option of --integration fsdp")
+    _require(config.shards is None or _whole(config.shards, 1), "shards", "must be >= 1")
+    if not fsdp:
+        return
+    for name, undo in (
+        ("checkpoint_every", "drop --checkpoint-every"),
+        ("checkpoint_per_epoch", "drop --checkpoint-every epoch"),
+        ("resume", "drop --resume"),
+    ):
+        _require(not getattr(config, name), name,
+                 "train --integration fsdp writes no checkpoints yet (save the sharded model "
+                 "and microsparse.OwnRank(state) with torch.distributed.checkpoint in your own "
+                 f"loop, docs/FSDP.md): {undo}")  # fmt: skip
 
 
 def _check_recipe(config: TrainConfig) -> None:

@@ -172,7 +172,7 @@ def summarize(
         for part in ("compute", "select", "exchange")
     }
     # Under DDP the hook's selection and exchange run inside backward (timed as compute).
-    inside = 0.0 if config.integration == "ddp" else totals["select"] + totals["exchange"]
+    inside = 0.0 if config.integration != "loop" else totals["select"] + totals["exchange"]
     totals["other"] = step_total - totals["compute"] - inside
     sent, dense = (sum(r[key] for r in records) for key in ("bytes_sent", "dense_bytes"))
     names = _names(metrics)

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.engine.stats import dense_stats
+from microsparse.fsdp import ShardedState
 from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
 from microsparse_lab.methods.hooks import attach_method
@@ -30,6 +31,7 @@ from microsparse_lab.training.checkpoint import Position, Resumable, load_checkp
 from microsparse_lab.training.config import TrainConfig
 from microsparse_lab.training.log import RunLog
 from microsparse_lab.training.optim import build_optimizer, learning_rate
+from microsparse_lab.training.sharding import HybridSharding, sharded
 from microsparse_lab.training.tasks import EpochSlice, Task, get_task
 
 __all__ = ["TrainConfig", "train"]
@@ -112,10 +114,12 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
             position = Position(epoch, index + 1, step)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 checkpoint(position, batches.state_dict())
-        if log:
+        if log or config.integration == "fsdp":  # a sharded model's forward needs every rank
             model.eval()
-            log.epoch(epoch, step, task.evaluate(model, data, config.task_options))
+            scores = task.evaluate(model, data, config.task_options)
             model.train()
+            if log:
+                log.epoch(epoch, step, scores)
         dist.barrier()  # the other ranks wait while rank 0 evaluates
         if last == batches.steps:
             position = Position(epoch + 1, 0, step)
@@ -156,8 +160,9 @@ def steps_in_epoch(task: Task, data: Any, config: TrainConfig, world_size: int) 
 
 
 class Averaging:
-    """How gradients are averaged: ``GradientReducer`` after backward, DDP's comm hook, or
-    (``ddp_hook``) DDP with one of torch's hooks, for comparison (:class:`PeerAveraging`).
+    """How gradients are averaged: ``GradientReducer`` after backward, DDP's comm hook, FSDP2
+    with sparse averaging across replicas, or for comparison DDP with one of torch's hooks
+    (``ddp_hook``, :class:`PeerAveraging`) or FSDP2's own hybrid sharding.
 
     With ``ddp`` the exchange overlaps the backward pass, so the step's compute time includes
     what of it was not hidden, and the statistics come from the hook's state.
@@ -166,8 +171,8 @@ class Averaging:
     def __init__(self, model: nn.Module, config: TrainConfig, steps_per_epoch: int) -> None:
         self.model = model
         self._reducer: GradientReducer | None = None
-        self._state: SparseState | None = None
-        self._peer: PeerAveraging | None = None
+        self._state: SparseState | ShardedState | None = None
+        self._peer: PeerAveraging | HybridSharding | None = None
         options: dict[str, Any] = config.sparsifier_options()
         if config.min_speedup is None:  # whose dense passes are DDP's own, which cannot raise
             # A run that diverges stops with the error on every rank (the loop reads every
@@ -185,6 +190,14 @@ class Averaging:
         if config.ddp_hook != "microsparse":
             self._peer = PeerAveraging(model, config.ddp_hook)
             self.model = self._peer.model
+        elif config.integration == "fsdp":
+            device = next(model.parameters()).device
+            averaging = sharded(model, config.shards, device, config.sparsifier,
+                                density=config.density, **options)  # fmt: skip
+            if isinstance(averaging, HybridSharding):
+                self._peer = averaging
+            else:
+                self._state = averaging
         elif config.integration == "ddp":
             self._state = SparseState(
                 config.sparsifier, config.density, timeout=config.timeout,
@@ -212,11 +225,11 @@ class Averaging:
         if self._reducer is not None:
             return self._reducer.sparsifier.options()
         assert self._state is not None
-        return self._state.options
+        return dict(self._state.sparse_options.options)
 
     def speed_choice(self) -> dict[str, Any] | None:
         """The hook's ``min_speedup`` choice and every rank's medians, if it has one."""
-        speed = None if self._state is None else self._state.speed
+        speed = getattr(self._state, "speed", None)
         return None if speed is None else speed.state_dict()
 
     def state_dict(self) -> dict[str, Any]:

@@ -36,8 +36,9 @@ class LSTMLanguageModel(nn.Module):
         nn.init.zeros_(self.decoder.bias)
 
     def initial_hidden(self, batch: int) -> Hidden:
-        weight = self.embedding.weight
-        zeros = weight.new_zeros(self.layers, batch, self.units)
+        weight = self.embedding.weight  # a plain tensor even where FSDP2 shards the weight
+        zeros = torch.zeros(self.layers, batch, self.units, dtype=weight.dtype,
+                            device=weight.device)  # fmt: skip
         return zeros, zeros.clone()
 
     def forward(self, tokens: torch.Tensor, hidden: Hidden) -> tuple[torch.Tensor, Hidden]:
