@@ -81,10 +81,11 @@ def sparsify(
         fully_shard(model, mesh=mesh["shard"])
         state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.001)
     """
-    state = ShardedState(replicate, density, sparsifier, value_dtype=value_dtype,
-                         nonfinite=nonfinite, momentum_correction=momentum_correction,
-                         momentum_nesterov=momentum_nesterov, adam_correction=adam_correction,
-                         density_warmup=density_warmup, **options)  # fmt: skip
+    owner = ("microsparse.fsdp.sparsify", keywords_of(sparsify)[1])
+    chosen = SparseOptions(sparsifier, density, value_dtype, nonfinite, momentum_correction,
+                           momentum_nesterov, adam_correction, density_warmup, options,
+                           owner=owner)  # fmt: skip
+    state = ShardedState(replicate, chosen)
     state.attach(model)
     return state
 
@@ -99,25 +100,8 @@ class ShardedState:
     module's step runs to its end inside the hook, in the stream FSDP runs the hook in.
     """
 
-    def __init__(
-        self,
-        replicate: Any,
-        density: float,
-        sparsifier: str = "micro",
-        *,
-        value_dtype: torch.dtype | None = None,
-        nonfinite: NonFinite = "skip",
-        momentum_correction: float = 0.0,
-        momentum_nesterov: bool = False,
-        adam_correction: tuple[float, float, float] | None = None,
-        density_warmup: DensityWarmup | tuple[float, int] | None = None,
-        **options: Any,
-    ) -> None:
-        self.sparse_options = SparseOptions(
-            sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
-            adam_correction, density_warmup, options,
-            owner=("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1]),
-        )  # fmt: skip
+    def __init__(self, replicate: Any, options: SparseOptions) -> None:
+        self.sparse_options = options
         """Every option of the sparse step, checked."""
         self.group = _replicate_group(replicate)
         self.rank = dist.get_rank(self.group)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from microsparse.sparsifiers.base import Sparsifier
@@ -64,9 +64,9 @@ def create_sparsifier(
     return cls(density, **options)
 
 
-def keywords_of(cls: type) -> tuple[str, list[str]]:
-    """A class's name and its constructor's keyword-only parameters: the ``owner`` of
-    :func:`create_sparsifier` for a class that passes the rest of its keywords on.
+def keywords_of(cls: type | Callable[..., Any]) -> tuple[str, list[str]]:
+    """A class's name and its constructor's keyword-only parameters (or a function's): the
+    ``owner`` of :func:`create_sparsifier` for a caller that passes the rest of its keywords on.
 
     Example:
         >>> class Reducer:
@@ -74,7 +74,7 @@ def keywords_of(cls: type) -> tuple[str, list[str]]:
         >>> keywords_of(Reducer)
         ('Reducer', ['value_dtype'])
     """
-    names = inspect.signature(cls.__init__).parameters
+    names = inspect.signature(cls.__init__ if isinstance(cls, type) else cls).parameters
     return cls.__name__, [name for name, p in names.items() if p.kind == p.KEYWORD_ONLY]
 
 
