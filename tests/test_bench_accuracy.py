@@ -35,6 +35,12 @@ def test_each_method_becomes_the_train_options_that_mean_it():
     assert "--threshold-rule" in reference and "as_coded" in reference
     peer = train_arguments("powersgd(rank=4)", config)
     assert peer[4:8] == ["--integration", "ddp", "--ddp-hook", "powersgd(rank=4)"]
+    assert train_arguments("micro@fsdp", config)[4:8] == [
+        "--sparsifier", "micro", "--integration", "fsdp",
+    ]  # fmt: skip
+    assert train_arguments("dense@fsdp", config)[4:8] == [
+        "--sparsifier", "dense", "--integration", "fsdp",
+    ]  # fmt: skip
     own = train_arguments("micro(selection=threshold,density=0.03)@ddp", config)
     assert own[2:10] == [
         "--density", "0.03", "--sparsifier", "micro", "--integration", "ddp",
@@ -52,6 +58,9 @@ def test_each_method_becomes_the_train_options_that_mean_it():
         ({"methods": ("dense", "nope")}, "unknown"),
         ({"methods": ("dense", "micro(density=0)@ddp")}, r"density must be a number in \(0, 1\]"),
         ({"methods": ("dense", "fp16(density=0.1)")}, r"fp16 takes no option \['density'\]"),
+        ({"methods": ("dense", "fp16@fsdp")}, "@fsdp follows a sparsifier"),
+        ({"methods": ("dense", "micro@ddp@fsdp")}, "@fsdp follows a sparsifier"),
+        ({"ranks_per_host": 0}, "ranks_per_host: must be at least 1"),
         ({"hosts": 1}, "hosts must be at least 2"),
         ({"target_fraction": 1.5}, "target_fraction"),
     ],
@@ -111,3 +120,23 @@ def test_a_tiny_run_trains_every_method_and_reports_the_target(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         assert "metric_vs_time" in PLOTS
         assert (out / "1gbit" / "metric_vs_time.png").stat().st_size > 0
+
+
+@needs_namespaces
+def test_sharded_training_shards_inside_a_host_and_averages_sparsely_between(tmp_path):
+    out = tmp_path / "sharded"
+    code = main([
+        "bench", "accuracy", "--hosts", "2", "--ranks-per-host", "2", "--rates", "1gbit",
+        "--methods", "dense@fsdp,micro@fsdp", "--density", "0.01", "--out", str(out),
+        "--", "--max-steps", "4", "--epochs", "1", "--batch-size", "16",
+    ])  # fmt: skip
+    assert code == 0
+    assert leftovers(os.getpid()) == []
+    [rate] = json.loads((out / "results.json").read_text())["rates"]
+    rows = {row["run"]: row for row in rate["rows"]}
+    assert rows["dense@fsdp"]["workers"] == rows["micro@fsdp"]["workers"] == 4
+    # Between hosts each rank sends its shard's share: all of it, or about the density's.
+    assert rows["micro@fsdp"]["bytes_per_step"] < rows["dense@fsdp"]["bytes_per_step"] / 20
+    for name in ("dense-at-fsdp", "micro-at-fsdp"):
+        config = json.loads((out / "1gbit" / name / "summary.json").read_text())["config"]
+        assert config["integration"] == "fsdp" and config["world_size"] == 4

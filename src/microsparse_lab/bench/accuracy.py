@@ -2,7 +2,8 @@
 
 For every link rate a cluster of ``hosts`` network namespaces is built
 (:class:`~microsparse_lab.bench.netns.Cluster`); for every method, each host runs one rank of an
-ordinary ``microsparse train`` (torchrun's variables, over the shaped link) into
+ordinary ``microsparse train`` (torchrun's variables, over the shaped link; with
+``ranks_per_host`` several, which talk among themselves over the host's loopback) into
 ``OUT/<rate>/<method>``. Each rate then gets the report of ``microsparse report``: the metric
 against epochs and against wall time, and per method the epochs, wall seconds, steps and
 bytes per worker to a target fixed in advance (``target_fraction`` of the dense run's final
@@ -53,6 +54,7 @@ class AccuracyConfig:
 
     task: str = "mnist"
     hosts: int = 4
+    ranks_per_host: int = 1  # ranks of a host share its namespace and talk over loopback
     rates: tuple[str, ...] = ("100mbit", "1gbit")
     methods: tuple[str, ...] = DEFAULT_METHODS
     density: float = 0.001
@@ -68,6 +70,8 @@ class AccuracyConfig:
             raise ValueError(f"task: must be one of {', '.join(available_tasks())}")
         if self.hosts < 2:
             raise ValueError(f"hosts must be at least 2, got {self.hosts}")
+        if self.ranks_per_host < 1:
+            raise ValueError(f"ranks_per_host: must be at least 1, got {self.ranks_per_host}")
         for name in self.methods:
             try:
                 method = parse_method(name)
@@ -78,9 +82,9 @@ class AccuracyConfig:
             if method.kind == "hook" and method.one_bucket:
                 raise ValueError(f"methods: {name!r}: microsparse train keeps DDP's buckets; "
                                  "(buckets=one) is a bench cluster option")  # fmt: skip
-        if "dense" not in self.methods:
-            raise ValueError("methods: must include dense (the target is a fraction of its "
-                             "final metric)")  # fmt: skip
+        if not any(name in ("dense", "dense@fsdp") for name in self.methods):
+            raise ValueError("methods: must include dense or dense@fsdp (the target is a "
+                             "fraction of its final metric)")  # fmt: skip
         if not 0 < self.target_fraction <= 1:
             raise ValueError(f"target_fraction: must be in (0, 1], got {self.target_fraction}")
 
@@ -94,7 +98,8 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
         argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
     else:
         argv += ["--sparsifier", method.sparsifier]
-        argv += ["--integration", "ddp" if method.kind == "hook" else "loop"]
+        integration = {"hook": "ddp", "sharded": "fsdp"}.get(method.kind, "loop")
+        argv += ["--integration", integration]
         if method.one_exchange:
             argv.append("--one-exchange")
         if method.min_speedup is not None:
@@ -156,23 +161,26 @@ def _train(
 ) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     package_root = str(Path(microsparse.__file__).resolve().parent.parent)
-    threads = max(1, (os.cpu_count() or 1) // cluster.hosts)
+    per_host = config.ranks_per_host
+    threads = max(1, (os.cpu_count() or 1) // (cluster.hosts * per_host))
     argv = [
         sys.executable, "-m", "microsparse_lab", "train", *train_arguments(name, config),
         *config.train_args, "--out", str(run_dir.resolve()),
     ]  # fmt: skip
     workers = []
-    for rank in reversed(range(cluster.hosts)):
+    for rank in reversed(range(cluster.hosts * per_host)):
+        host = rank // per_host
         env = dict(os.environ)
         env.update(
-            RANK=str(rank), WORLD_SIZE=str(cluster.hosts), LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1", MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME=cluster.interface(rank), OMP_NUM_THREADS=str(threads),
+            RANK=str(rank), WORLD_SIZE=str(cluster.hosts * per_host),
+            LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host),
+            MASTER_ADDR=cluster.address(0), MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=cluster.interface(host), OMP_NUM_THREADS=str(threads),
             PYTHONPATH=os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")])),
         )  # fmt: skip
         log_file = run_dir / f"rank{rank}.log"
         with open(log_file, "w", encoding="utf-8") as stream:
-            process = cluster.popen(rank, argv, env=env, stdout=stream, stderr=subprocess.STDOUT)
+            process = cluster.popen(host, argv, env=env, stdout=stream, stderr=subprocess.STDOUT)
         workers.append((rank, process, log_file))
     wait_for_workers(workers, config.timeout, cluster)
 

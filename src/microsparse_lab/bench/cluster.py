@@ -86,6 +86,9 @@ class BenchConfig:
                 method = parse_method(name)
             except ValueError as error:
                 raise ValueError(f"sparsifiers: {error}") from None
+            if method.kind == "sharded":
+                raise ValueError(f"sparsifiers: {name!r}: sharded training is measured by "
+                                 "bench accuracy (--ranks-per-host 2), not here")  # fmt: skip
             # Each round attaches a new state, which chooses at its pass CHOICE_PASS.
             if method.min_speedup is not None and self.warmup < CHOICE_PASS:
                 raise ValueError(

@@ -15,11 +15,16 @@ from microsparse_lab.reports import RunError
 OPTIONS = dict(
     task=dict(),
     hosts=dict(type=bench_options.host_count),
+    ranks_per_host=dict(
+        type=arguments.positive_int,
+        help="ranks on each host, talking over its loopback (NAME@fsdp shards among them)",
+    ),
     **bench_options.shared("rates"),
     methods=dict(
         type=bench_options.methods,
-        help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
-        "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density",
+        help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), NAME@fsdp "
+        "(FSDP2, hosts averaging sparsely; dense@fsdp: hybrid sharding), ddp, fp16, bf16, "
+        "powersgd(rank=R); NAME(density=D) trains at D instead of --density",
     ),
     **bench_options.shared("density"),
     seed=dict(type=int),

@@ -27,6 +27,9 @@ A method name (``train --ddp-hook``, ``bench cluster``, ``bench accuracy``) is o
   buckets: the same single exchange after backward, without touching ``bucket_cap_mb``;
 - ``NAME@ddp(min_speedup=X)``: microsparse's hook with ``min_speedup=X``: it times a few
   steps sparse and dense and stays sparse only where its step is X times faster.
+- ``NAME@fsdp`` (``bench accuracy`` only): the model sharded by FSDP2 among the ranks of a
+  host, the hosts averaging with ``microsparse.fsdp`` (``train --integration fsdp``);
+  ``dense@fsdp`` is FSDP2's own hybrid sharding.
 
 A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the run's
 ``--density``: so one run (one dense target, the same links) compares densities side by side.
@@ -60,7 +63,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from microsparse.sparsifiers import (
@@ -192,6 +195,7 @@ NO_EXCHANGE = "none"
 DDP_FLOOR = "none@ddp"
 PEERS = ("ddp", "fp16", "bf16", "powersgd")
 HOOK_SUFFIX = "@ddp"
+SHARDED_SUFFIX = "@fsdp"
 DDP_KINDS = ("hook", "peer", "floor")
 """The kinds of method that train through DistributedDataParallel."""
 
@@ -201,7 +205,7 @@ class Method:
     """One row of the cluster benchmark: what averages the gradients, and how it is attached."""
 
     name: str
-    kind: str  # "loop", "hook", "peer", "floor" (DDP, no exchange) or "none"
+    kind: str  # "loop", "hook", "sharded" (FSDP2), "peer", "floor" (DDP, no exchange), "none"
     sparsifier: str = ""  # the microsparse sparsifier, or the peer's name
     options: dict[str, Any] = field(default_factory=dict)
     rank: int = 0  # PowerSGD's matrix approximation rank
@@ -230,6 +234,13 @@ def parse_method(name: str) -> Method:
         return Method(name, "none")
     if name == DDP_FLOOR:
         return Method(name, "floor")
+    if name.endswith(SHARDED_SUFFIX):
+        method = parse_method(name[: -len(SHARDED_SUFFIX)])
+        if method.kind != "loop":
+            raise ValueError(f"method {name!r}: {SHARDED_SUFFIX} follows a sparsifier: "
+                             f"micro{SHARDED_SUFFIX} (microsparse.fsdp across replicas), "
+                             f"dense{SHARDED_SUFFIX} (FSDP2's own hybrid sharding)")  # fmt: skip
+        return replace(method, name=name, kind="sharded")
     base, hooked, suffix = name.partition(HOOK_SUFFIX)
     one_bucket = one_exchange = False
     min_speedup = None
