@@ -85,6 +85,17 @@ class ContiguousPartitions:
         start = self.ranges[part][0]
         return indices + start if start else indices
 
+    def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`positions`: flat positions of partition ``part`` as indices
+        into its entries.
+
+        Example:
+            >>> ContiguousPartitions(10, 4).offsets(1, torch.tensor([3, 5])).tolist()
+            [0, 2]
+        """
+        start = self.ranges[part][0]
+        return positions - start if start else positions
+
 
 class InterleavedPartitions:
     """Blocks of ``block`` entries dealt round-robin: partition p owns blocks p, p + n, p + 2n, ...
@@ -158,6 +169,21 @@ class InterleavedPartitions:
             starts = self._row_starts[(part, indices.device)] = rows.to(indices.device)
         rows = torch.div(indices, self.block, rounding_mode="floor")
         return starts.index_select(0, rows).add_(indices % self.block)
+
+    def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`positions`: block b = p // block of partition ``part`` is its
+        row (b − part) / parts (the tail block too: the partition that owns it is
+        full_blocks mod parts).
+
+        Example:
+            >>> InterleavedPartitions(10, parts=2, block=2).offsets(0, torch.tensor([0, 5, 9]))
+            tensor([0, 3, 5])
+        """
+        if self.parts == 1:
+            return positions
+        blocks = torch.div(positions, self.block, rounding_mode="floor")
+        rows = blocks.sub_(part).div_(self.parts, rounding_mode="floor")
+        return rows.mul_(self.block).add_(positions % self.block)
 
 
 PARTITIONINGS = {"contiguous": ContiguousPartitions, "interleaved": InterleavedPartitions}
