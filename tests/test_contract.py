@@ -1,9 +1,9 @@
 """The sparsifier contract, for every registered sparsifier, in both drivers, on real gloo ranks.
 
 The cases are drawn from ``available_sparsifiers()`` when the tests are collected: a sparsifier
-that is one new file plus its registry line is covered here with no edit. Options that change
-how a step travels (MiCRO's compact wire) are cases of their own (``VARIANTS``). Each one runs with
-its default options, for a few steps of a small float64 model, in the loop API
+that is one new file plus its registry line is covered here with no edit; options that change
+how a step travels (MiCRO's compact wire) are cases of their own (``VARIANTS``). Each one runs
+with its default options, for a few steps of a small float64 model, in the loop API
 (``GradientReducer.synchronize``) and in the DDP comm hook (``SparseState`` + ``sparse_hook``
 over several buckets), and must keep the rules its base class states:
 
