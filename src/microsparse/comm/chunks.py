@@ -5,8 +5,8 @@ owned partition) sends them as offsets into that range, sorted. The range is cut
 of ``span`` entries (65,536, or 32,768 where one chunk could hold 65,536 picks, so that every
 count fits in 16 bits); the message is the count of picks in each chunk, then each offset's
 low bits (its offset within its chunk), 16 bits each, zero-padded to whole 32-bit words
-because gloo's all-gather takes no 16-bit integers. The decoder rebuilds each offset's chunk
-from the counts with ``repeat_interleave`` at a size known in advance: nothing is read back.
+because gloo's all-gather takes no 16-bit integers. The decoder finds each offset's chunk
+from the running counts, at sizes known in advance: nothing is read back.
 
 Example:
     >>> codec = ChunkCodec(chunks=2, span=8, capacity=4)
@@ -56,7 +56,7 @@ class ChunkCodec:
         self.words = math.ceil(self.halfwords / 2)
         """int32 words of the message (the last one half padding when ``halfwords`` is odd)."""
         self._bounds = torch.empty(0, dtype=torch.long)
-        self._bases = torch.empty(0, dtype=torch.long)
+        self._slot_numbers = torch.empty(0, 0, dtype=torch.long)
         self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
@@ -83,18 +83,22 @@ class ChunkCodec:
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's offsets (int64), rank after rank, each rank's ascending, from the
-        gathered ``rows`` (n, ``words``) and every rank's count, known to the host."""
+        gathered ``rows`` (n, ``words``) and every rank's count, known to the host.
+
+        Slot j of a rank's offsets lies in the first chunk whose running count exceeds j (one
+        binary search per slot, at sizes fixed in advance). A slot past the rank's count, as
+        where every rank is answered this rank's message (``SymmetricPeers``' timings), is
+        read as offset 0, as ``Fixed`` reads its zero padding."""
         n = rows.shape[0]
         half = rows.view(torch.int16).view(n, 2 * self.words)
-        total = sum(counts)
-        if total == 0:
+        if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=rows.device)
-        per_chunk = half[:, : self.chunks].long().bitwise_and_(0xFFFF)
-        low = half.reshape(-1).index_select(0, self._keep(counts, rows.device))
-        bases = torch.repeat_interleave(
-            self._chunk_bases(n, rows.device), per_chunk.reshape(-1), output_size=total
-        )
-        return low.long().bitwise_and_(0xFFFF).add_(bases)
+        ends = half[:, : self.chunks].long().bitwise_and_(0xFFFF).cumsum(1)
+        chunk = torch.searchsorted(ends, self._slots(n, rows.device), right=True)
+        at_low, at_slot = self._keep(counts, rows.device)
+        low = half.reshape(-1).index_select(0, at_low).long().bitwise_and_(0xFFFF)
+        chunk = chunk.reshape(-1).index_select(0, at_slot).remainder_(self.chunks)
+        return low.add_(chunk.bitwise_left_shift_(self.shift))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count, read from the gathered headers on the host (one read back)."""
@@ -106,20 +110,25 @@ class ChunkCodec:
             self._bounds = torch.arange(1, self.chunks + 1, device=device) << self.shift
         return self._bounds
 
-    def _chunk_bases(self, n: int, device: torch.device) -> torch.Tensor:
-        if self._bases.numel() != n * self.chunks or self._bases.device != device:
-            self._bases = (torch.arange(self.chunks, device=device) << self.shift).repeat(n)
-        return self._bases
+    def _slots(self, n: int, device: torch.device) -> torch.Tensor:
+        """Each rank's slot numbers 0 … capacity − 1, as (n, capacity)."""
+        if self._slot_numbers.shape != (n, self.capacity) or self._slot_numbers.device != device:
+            self._slot_numbers = torch.arange(self.capacity, device=device).repeat(n, 1)
+        return self._slot_numbers
 
-    def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
-        """Where each rank's offsets lie in the flattened rows, made once per pattern of
-        counts (they rotate with the step: a few patterns per rank)."""
+    def _keep(self, counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each rank's offsets lie in the flattened rows and in the (n, capacity) slots,
+        made once per pattern of counts (they rotate with the step: a few per rank)."""
         key = (tuple(counts), device)
         keep = self._known.get(key)
         if keep is None:
             if len(self._known) > 4 * len(counts):
                 self._known.clear()
-            row, first = 2 * self.words, self.chunks
-            slots = [r * row + first + i for r, count in enumerate(counts) for i in range(count)]
-            keep = self._known[key] = torch.tensor(slots, dtype=torch.long, device=device)
+            slots = [r * self.capacity + i for r, count in enumerate(counts) for i in range(count)]
+            at_slot = torch.tensor(slots, dtype=torch.long, device=device)
+            rows = torch.tensor([r for r, count in enumerate(counts) for _ in range(count)],
+                                dtype=torch.long, device=device)  # fmt: skip
+            # slot r·capacity + i is 16-bit word r·(2·words) + chunks + i of the rows
+            at_low = at_slot + rows * (2 * self.words - self.capacity) + self.chunks
+            keep = self._known[key] = (at_low, at_slot)
         return keep

@@ -285,8 +285,9 @@ class OwnedRanges(Protocol):
         """This rank's flat positions at ``step`` as offsets into its range (int64)."""
         ...
 
-    def positions(self, rank: int, step: int, offsets: torch.Tensor) -> torch.Tensor:
-        """The inverse: offsets into ``rank``'s range at ``step`` as flat positions."""
+    def positions(self, step: int, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The inverse for every rank at once: ``offsets`` holds ``counts[r]`` offsets into
+        rank r's range, rank after rank; their flat positions, in that order."""
         ...
 
 
@@ -336,12 +337,7 @@ class Compact(Framing):
         self._codec.encode(ranges.offsets(step, local), out=message)
         rows = yield Collective("all_gather", message, "indices")
         counts = proposal.counts if proposal.counts is not None else self._codec.counts(rows)
-        offsets = self._codec.decode(rows, counts)
-        pieces, start = [], 0
-        for r, count in enumerate(counts):
-            pieces.append(ranges.positions(r, step, offsets[start : start + count]))
-            start += count
-        positions = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        positions = ranges.positions(step, self._codec.decode(rows, counts), counts)
         return Exchanged(positions, local.numel(), self.slots, sum(counts), local.numel())
 
     @classmethod

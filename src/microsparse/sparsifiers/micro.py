@@ -318,16 +318,46 @@ def _check_wire(wire: str, selection: str, index_message: str) -> None:
 
 class _Owned:
     """MiCRO's owned partitions as the ranges of a :class:`~microsparse.comm.framing.Compact`
-    message: rank r's positions at step t are offsets into partition (t + r) mod n."""
+    message: rank r's positions at step t are offsets into partition (t + r) mod n.
+
+    A partition is rows of entries (interleaved: its blocks; contiguous: one row), so every
+    rank's offsets map to flat positions through one table of row starts, the ranks' tables
+    end to end: a handful of kernels whatever n. The per-pick row bases are made once per
+    pattern of owners and counts (they rotate with the step: a few per rank)."""
 
     def __init__(self, micro: Micro) -> None:
         self._partitions = micro._partitions
         self._rank, self._world_size = micro.rank, micro.world_size
         self.largest = micro._largest
+        self._plans: dict[tuple[int, tuple[int, ...], torch.device], tuple[torch.Tensor, ...]] = {}
 
     def offsets(self, step: int, positions: torch.Tensor) -> torch.Tensor:
         part = owned_partition(step, self._rank, self._world_size)
         return self._partitions.offsets(part, positions)
 
-    def positions(self, rank: int, step: int, offsets: torch.Tensor) -> torch.Tensor:
-        return self._partitions.positions(owned_partition(step, rank, self._world_size), offsets)
+    def positions(self, step: int, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        row, table, first, last = self._plan(step, counts, offsets.device)
+        # Past a rank's range only where every rank is answered this rank's message
+        # (SymmetricPeers' timings) and another's partition is shorter: kept inside it.
+        offsets = torch.minimum(offsets, last)
+        rows = torch.div(offsets, row, rounding_mode="floor").add_(first)
+        return table.index_select(0, rows).add_(offsets % row)
+
+    def _plan(self, step: int, counts: list[int], device: torch.device) -> tuple[Any, ...]:
+        n = self._world_size
+        key = (step % n, tuple(counts), device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4 * n:
+                self._plans.clear()
+            parts = [owned_partition(step, rank, n) for rank in range(n)]
+            tables = [self._partitions.rows(part) for part in parts]
+            row = tables[0][0]
+            bases = torch.tensor([0] + [len(starts) for _, starts in tables[:-1]]).cumsum(0)
+            sizes = torch.tensor([self._partitions.size(part) for part in parts])
+            repeats = torch.tensor(counts)
+            first = torch.repeat_interleave(bases, repeats).to(device)
+            last = torch.repeat_interleave(sizes - 1, repeats).to(device)
+            table = torch.cat([starts for _, starts in tables]).to(device)
+            plan = self._plans[key] = (row, table, first, last)
+        return plan

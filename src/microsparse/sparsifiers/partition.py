@@ -85,6 +85,15 @@ class ContiguousPartitions:
         start = self.ranges[part][0]
         return indices + start if start else indices
 
+    def rows(self, part: int) -> tuple[int, torch.Tensor]:
+        """As :meth:`InterleavedPartitions.rows`: one row, the whole range.
+
+        Example:
+            >>> ContiguousPartitions(10, 4).rows(1)
+            (10, tensor([3]))
+        """
+        return max(1, self.ranges[-1][1]), torch.tensor([self.ranges[part][0]])
+
     def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`positions`: flat positions of partition ``part`` as indices
         into its entries.
@@ -161,14 +170,28 @@ class InterleavedPartitions:
         """
         if self.parts == 1:  # every block, in order: the entries are the positions
             return indices
-        starts = self._row_starts.get((part, indices.device))
+        starts = self._starts(part, indices.device)
+        rows = torch.div(indices, self.block, rounding_mode="floor")
+        return starts.index_select(0, rows).add_(indices % self.block)
+
+    def rows(self, part: int) -> tuple[int, torch.Tensor]:
+        """Entries per row of partition ``part`` and the flat position each row starts at:
+        entry i is at ``starts[i // row] + i % row``.
+
+        Example:
+            >>> InterleavedPartitions(10, parts=2, block=2).rows(0)
+            (2, tensor([0, 4, 8]))
+        """
+        return self.block, self._starts(part, torch.device("cpu"))
+
+    def _starts(self, part: int, device: torch.device) -> torch.Tensor:
+        starts = self._row_starts.get((part, device))
         if starts is None:
             rows = torch.arange(part, self.full_blocks, self.parts) * self.block
             if self._owns_tail(part):
                 rows = torch.cat([rows, torch.tensor([self.full_blocks * self.block])])
-            starts = self._row_starts[(part, indices.device)] = rows.to(indices.device)
-        rows = torch.div(indices, self.block, rounding_mode="floor")
-        return starts.index_select(0, rows).add_(indices % self.block)
+            starts = self._row_starts[(part, device)] = rows.to(device)
+        return starts
 
     def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`positions`: block b = p // block of partition ``part`` is its
