@@ -87,8 +87,8 @@ class ChunkCodec:
 
         Slot j of a rank's offsets lies in the first chunk whose running count exceeds j (one
         binary search per slot, at sizes fixed in advance). A slot past the rank's count, as
-        where every rank is answered this rank's message (``SymmetricPeers``' timings), is
-        read as offset 0, as ``Fixed`` reads its zero padding."""
+        where every rank is answered this rank's message (``SymmetricPeers``' timings), reads
+        as an offset past the last chunk, which the caller keeps inside the rank's range."""
         n = rows.shape[0]
         half = rows.view(torch.int16).view(n, 2 * self.words)
         if sum(counts) == 0:
@@ -97,7 +97,7 @@ class ChunkCodec:
         chunk = torch.searchsorted(ends, self._slots(n, rows.device), right=True)
         at_low, at_slot = self._keep(counts, rows.device)
         low = half.reshape(-1).index_select(0, at_low).long().bitwise_and_(0xFFFF)
-        chunk = chunk.reshape(-1).index_select(0, at_slot).remainder_(self.chunks)
+        chunk = chunk.reshape(-1).index_select(0, at_slot)
         return low.add_(chunk.bitwise_left_shift_(self.shift))
 
     def counts(self, rows: torch.Tensor) -> list[int]:

@@ -246,7 +246,9 @@ class Micro(Sparsifier):
                 return torch.empty(0, dtype=torch.long, device=accumulated.device)
             chosen = self._finder.largest(magnitude, quota)
             self._threshold = Pending(self._finder.smallest_taken_reader())
-            return self._partitions.positions(part, chosen)
+            positions = self._partitions.positions(part, chosen)
+            self._chosen = (positions, chosen)  # a compact message sends the offsets
+            return positions
         assert self._rule is not None
         chosen = self._candidates.at_least(magnitude, self._rule.threshold)
         if chosen.numel() == 0:
@@ -326,12 +328,16 @@ class _Owned:
     pattern of owners and counts (they rotate with the step: a few per rank)."""
 
     def __init__(self, micro: Micro) -> None:
+        self._micro = micro
         self._partitions = micro._partitions
         self._rank, self._world_size = micro.rank, micro.world_size
         self.largest = micro._largest
         self._plans: dict[tuple[int, tuple[int, ...], torch.device], tuple[torch.Tensor, ...]] = {}
 
     def offsets(self, step: int, positions: torch.Tensor) -> torch.Tensor:
+        chosen = getattr(self._micro, "_chosen", None)
+        if chosen is not None and chosen[0] is positions:  # what select() just found
+            return chosen[1]
         part = owned_partition(step, self._rank, self._world_size)
         return self._partitions.offsets(part, positions)
 
@@ -340,8 +346,11 @@ class _Owned:
         # Past a rank's range only where every rank is answered this rank's message
         # (SymmetricPeers' timings) and another's partition is shorter: kept inside it.
         offsets = torch.minimum(offsets, last)
-        rows = torch.div(offsets, row, rounding_mode="floor").add_(first)
-        return table.index_select(0, rows).add_(offsets % row)
+        if row & (row - 1):
+            rows = torch.div(offsets, row, rounding_mode="floor").add_(first)
+            return table.index_select(0, rows).add_(offsets % row)
+        rows = torch.bitwise_right_shift(offsets, row.bit_length() - 1).add_(first)
+        return table.index_select(0, rows).add_(offsets.bitwise_and_(row - 1))
 
     def _plan(self, step: int, counts: list[int], device: torch.device) -> tuple[Any, ...]:
         n = self._world_size

@@ -86,13 +86,15 @@ class ContiguousPartitions:
         return indices + start if start else indices
 
     def rows(self, part: int) -> tuple[int, torch.Tensor]:
-        """As :meth:`InterleavedPartitions.rows`: one row, the whole range.
+        """As :meth:`InterleavedPartitions.rows`: one row, as long as the vector or longer (a
+        power of 2, so that a caller may shift instead of divide).
 
         Example:
             >>> ContiguousPartitions(10, 4).rows(1)
-            (10, tensor([3]))
+            (16, tensor([3]))
         """
-        return max(1, self.ranges[-1][1]), torch.tensor([self.ranges[part][0]])
+        row = 1 << max(0, self.ranges[-1][1] - 1).bit_length()
+        return row, torch.tensor([self.ranges[part][0]])
 
     def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`positions`: flat positions of partition ``part`` as indices

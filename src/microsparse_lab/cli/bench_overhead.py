@@ -31,6 +31,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
     add("--repeats", type=arguments.positive_int, default=full.repeats,
         help="timed calls per measurement (default: %(default)s)")  # fmt: skip
+    add("--variant", default=full.variant,
+        help="MiCRO with options for the loop, hook and loopback steps, e.g. "
+        "'micro(wire=compact)' (default: %(default)s)")  # fmt: skip
     add("--loopback-ranks", type=arguments.non_negative_int, default=full.loopback_ranks,
         help="gloo ranks comparing with all-reduce, 0 to skip (default: %(default)s)")  # fmt: skip
     bench_options.add_from(parser, "overhead", "rewrite the table")
@@ -43,7 +46,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = overhead.OverheadConfig(
         sizes=args.sizes, partitions=args.partitions, density=args.density,
         repeats=args.repeats, loopback_ranks=args.loopback_ranks,
-        loopback_repeats=args.repeats,
+        loopback_repeats=args.repeats, variant=args.variant,
     )  # fmt: skip
     result = bench_options.measure_or_load(
         args, parser, lambda: overhead.run(config, progress=not args.quiet)
