@@ -332,8 +332,11 @@ class Compact(Framing):
             )
         message = self._message
         if message is None or message.device != local.device:
-            message = self._message = torch.empty(self._codec.words, dtype=torch.int32,
+            message = self._message = torch.zeros(self._codec.words, dtype=torch.int32,
                                                   device=local.device)  # fmt: skip
+        if world_size == 1:  # the same round, but no other rank to read it: nothing to code
+            yield Collective("all_gather", message, "indices")
+            return Exchanged(local, local.numel(), self.slots, local.numel(), local.numel())
         self._codec.encode(ranges.offsets(step, local), out=message)
         rows = yield Collective("all_gather", message, "indices")
         counts = proposal.counts if proposal.counts is not None else self._codec.counts(rows)
