@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse.comm.collectives as collectives
 from distributed import run_ranks
@@ -19,6 +20,7 @@ from microsparse.comm.chunks import SPAN, ChunkCodec, chunk_span
 from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes
 from microsparse.comm.framing import Compact, Fixed
 from microsparse.comm.local import SymmetricPeers
+from microsparse.ddp import SparseState, sparse_hook
 from microsparse.engine.plan import step_collectives
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
@@ -306,3 +308,57 @@ def test_symmetric_peers_time_the_compact_step_with_unequal_quotas() -> None:
         assert stats.selected == stats.target == 1000
         sent[wire] = stats.bytes_sent
     assert sent["compact"] < 0.51 * sent["plain"], sent
+
+
+class SometimesUsed(torch.nn.Module):
+    """``branch`` is used in the first steps only, then unused on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(64, 64)
+        self.branch = torch.nn.Linear(64, 64)
+        self.use_branch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.trunk(x)
+        return self.branch(y) if self.use_branch else y
+
+
+def unused_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
+    """DDP leaving out the parameters no rank used: the counts are then not known before the
+    exchange, and the compact message's chunk counts are read on the host."""
+    read = []
+    counts = ChunkCodec.counts
+    ChunkCodec.counts = lambda codec, rows: read.append(1) or counts(codec, rows)
+    model = SometimesUsed()
+    ddp = DDP(model, find_unused_parameters=True)
+    ddp.register_comm_hook(SparseState("micro", 0.05, **options), sparse_hook)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        model.use_branch = step < 2
+        model.zero_grad()
+        ddp(torch.randn(8, 64, generator=generator)).pow(2).sum().backward()
+    assert not options or read, "the counts were never read from the compact header"
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def warmup_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
+    """A density warm-up moves k, hence the message's capacity, every step."""
+    param = torch.zeros(300_000, requires_grad=True)
+    reducer = GradientReducer([param], "micro", 0.001, density_warmup=(0.01, 3), **options)
+    averages = []
+    for step in range(5):
+        param.grad = gradient(step, rank, 300_000, None)
+        stats = reducer.synchronize()
+        assert stats.selected == stats.target
+        averages.append(param.grad.clone())
+    return averages
+
+
+@pytest.mark.parametrize("worker", [unused_worker, warmup_worker])
+def test_unused_parameters_and_a_warm_up_average_as_the_plain_message(worker, tmp_path) -> None:
+    plain = run_ranks(worker, 2, tmp_path / "plain", {})
+    compact = run_ranks(worker, 2, tmp_path / "compact", {"wire": "compact_positions"})
+    for a, b in zip(plain, compact):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
