@@ -66,7 +66,8 @@ class Exchanged:
     local_selected: int
     """Positions this rank sent."""
     message_slots: int
-    """Indices per rank in the index message (the largest count, or the fixed capacity)."""
+    """Indices per rank in the index message (the largest count, or the fixed capacity; for
+    ``Compact``, the message's 16-bit words, chunk counts included)."""
     proposed: int
     """Σ_r of every rank's proposals, before deduplication or the capacity cut."""
     local_proposed: int

@@ -158,6 +158,8 @@ class Micro(Sparsifier):
         self._candidates = Candidates()
         self._scratch: torch.Tensor | None = None
         self._magnitudes_of_step: int | None = None  # the step whose |a| the scratch holds
+        # select()'s last (positions, offsets into the partition): what a compact message sends
+        self._chosen: tuple[torch.Tensor, torch.Tensor] | None = None
         self._threshold = math.nan
 
     def retarget(self, target: int) -> None:
@@ -335,7 +337,7 @@ class _Owned:
         self._plans: dict[tuple[int, tuple[int, ...], torch.device], tuple[torch.Tensor, ...]] = {}
 
     def offsets(self, step: int, positions: torch.Tensor) -> torch.Tensor:
-        chosen = getattr(self._micro, "_chosen", None)
+        chosen = self._micro._chosen
         if chosen is not None and chosen[0] is positions:  # what select() just found
             return chosen[1]
         part = owned_partition(step, self._rank, self._world_size)
