@@ -356,6 +356,20 @@ def test_overhead_times_a_variant_of_micro(tmp_path):
         OverheadConfig(variant="topk").options()
 
 
+def test_the_simulator_counts_the_compact_wire_at_its_own_sizes(tmp_path):
+    """16-bit positions and bfloat16 values: half the plain wire's bytes, as the step sends."""
+    code = main(["simulate", "--workers", "4", "--steps", "3", "--warmup", "1", "--numel",
+                 "100000", "--sparsifiers", "micro,micro(wire=compact)", "--no-plots",
+                 "--quiet", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    plain, compact = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert compact["exchange"] == "compact" and compact["shape"]["value_bytes"] == 2
+    assert compact["bytes_per_worker"] < 0.51 * plain["bytes_per_worker"]
+    shape = costmodel.StepShape(**compact["shape"])
+    index = costmodel.reducer_collectives(shape, 4)[1]
+    assert index == ("all_gather", 4 * -(-shape.max_local_selected // 2))
+
+
 def test_loopback_needs_a_warm_up_step_to_size_the_bare_rounds():
     from microsparse_lab.bench.loopback import LoopbackConfig
 

@@ -347,7 +347,7 @@ def _simulate(
                 "world_size": world_size,
                 "numel": layout.numel,
                 "target": cluster.target,
-                **summarize(measured, world_size, layout.numel, VALUE_BYTES[config.value_dtype]),
+                **summarize(measured, world_size, layout.numel, _value_bytes(config, cluster)),
                 "per_step": [
                     {
                         "step": r.step,
@@ -476,6 +476,13 @@ def beyond_note(prediction: dict[str, Any]) -> str:
         f"bytes and times there are likely underestimated; simulate those n with --workers "
         f"{','.join(map(str, EXACT_WORKERS))} (tens of minutes, up to ~14 GB)."
     )
+
+
+def _value_bytes(config: SimulateConfig, cluster: VirtualCluster) -> int:
+    """Bytes of one value on the wire: ``config.value_dtype``'s, unless the sparsifier's
+    framing sends its own (MiCRO's compact wire: bfloat16), as its engines then do."""
+    wire = cluster.engines[0].value_dtype
+    return VALUE_BYTES[config.value_dtype] if wire is None else wire.itemsize
 
 
 def capacity_at(variant: Variant, density: float, numel: int, world_size: int) -> int:
