@@ -457,13 +457,7 @@ def test_positions_are_distinct_and_counted(name: str, driver: str, ranks: list[
                 assert torch.equal(averaged, union), where
 
 
-KNOWN_DEFECTS = {
-    ("test_state_dict_resumes_bit_for_bit", "dense", "ddp"): (
-        "a hook state that averages densely (dense, or any sparsifier at density 1) restored "
-        "from a checkpoint cannot average its first pass: the restored slabs write through "
-        "PiecesOutput, whose dense() raises NotImplementedError from backward() on every rank"
-    ),
-}
+KNOWN_DEFECTS: dict[tuple[str, str, str], str] = {}
 """Invariants a registered sparsifier is known to break, each a defect to fix: strict, so that
 the fix makes its test fail until its line here goes."""
 

@@ -4,11 +4,14 @@ Against hybrid sharding itself (density 1 gives its gradients bit for bit), agai
 invariants of error feedback per shard (what every replica had, gradient plus residual, is
 what was averaged plus what stayed behind), replicas identical after every step, exactly k
 entries a step over the whole model, exact resume, and bad input refused on every rank.
+Momentum correction, Adam correction and the density warm-up against a float64 reference of
+what each shard's residual accumulates, and their buffers through an exact resume.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -167,44 +170,167 @@ def test_micro_conserves_every_shard_keeps_replicas_identical_and_sends_k(tmp_pa
         assert [step for _, _, step in result["selected"]] == list(range(1, STEPS + 1))
 
 
+CORRECTIONS = [
+    {"momentum_correction": 0.9},
+    {"momentum_correction": 0.9, "momentum_nesterov": True, "density_warmup": (0.15, 2)},
+    {"adam_correction": (0.5, 0.9, 1e-8)},
+]
+
+
+def corrected(options: dict, g: torch.Tensor, memory: list[torch.Tensor], step: int) -> tuple:
+    """The reference, in float64: what the residual accumulates at ``step`` and the velocity
+    (momentum correction) or Adam's moments after it, before any masking."""
+    if "adam_correction" in options:
+        beta1, beta2, eps = options["adam_correction"]
+        m, v = beta1 * memory[0] + (1 - beta1) * g, beta2 * memory[1] + (1 - beta2) * g * g
+        t = step + 1
+        return (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps), [m, v]
+    momentum = options["momentum_correction"]
+    u = momentum * memory[0] + g
+    return (g + momentum * u if options.get("momentum_nesterov") else u), [u]
+
+
+def corrections_worker(rank: int, n: int) -> list[dict]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return [corrections_case(rank, mesh, options) for options in CORRECTIONS]
+
+
+def corrections_case(rank: int, mesh, options: dict) -> dict:
+    """One correction on every module's shard against the reference, hook call by hook call:
+    the replicas' accumulated vectors add up to what was averaged plus what stayed behind, the
+    residual is zero where a value was sent and the accumulated vector elsewhere, the velocity
+    is masked where a value was sent, Adam's moments are not, and K == k at every step."""
+    replicate = mesh.get_group("replicate")
+    model = sharded(mesh["shard"])
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05, **options)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    worst = {"conservation": 0.0, "residual": 0.0, "memory": 0.0}
+    sent_per_step = [0] * STEPS
+
+    def note(name: str, error: torch.Tensor, of: torch.Tensor) -> None:
+        """The largest error relative to the vector's scale (the package computes in float32)."""
+        worst[name] = max(worst[name], error.abs().max().item() / (1 + of.abs().max().item()))
+
+    def watched(number: int, shard: torch.Tensor) -> None:
+        slab = state._slabs.get(number)
+        g = shard.double().clone()
+        before = None if slab is None else [b.data.double() for b in slab.feedback.buffers]
+        step = state.step
+        state._average(number, shard)
+        after = [b.data.double() for b in state._slabs[number].feedback.buffers]
+        before = before or [torch.zeros_like(g) for _ in after]
+        increment, moved = corrected(options, g, before[1:], step)
+        accumulated = before[0] + increment
+        average = shard.double()
+        sent = average != 0  # the union of every replica's selection
+        had, kept = accumulated.clone(), after[0].clone()
+        dist.all_reduce(had, group=replicate)
+        dist.all_reduce(kept, group=replicate)
+        note("conservation", had - (2 * average + kept), accumulated)
+        note("residual", after[0].where(sent, after[0] - accumulated), accumulated)
+        if "momentum_correction" in options:  # momentum factor masking
+            moved = [moved[0].where(~sent, 0)]
+        for got, want in zip(after[1:], moved):
+            note("memory", got - want, want)
+        sent_per_step[step] += int(sent.sum())
+
+    for number, unit in enumerate(units):
+        unit.set_all_reduce_hook(functools.partial(watched, number))
+    targets = []
+    train(model, rank, range(STEPS), lambda step: targets.append(state.last_step.target))
+    start, steps = options.get("density_warmup", (0.05, 0))
+    schedule = [start * (0.05 / start) ** (t / steps) if t < steps else 0.05 for t in range(STEPS)]
+    numel = state.last_step.numel
+    return {**worst, "sent": sent_per_step, "targets": targets,
+            "expected": [math.floor(d * numel) for d in schedule],
+            "described": state.described()}  # fmt: skip
+
+
+def test_momentum_and_adam_correction_and_the_warmup_match_the_reference(tmp_path) -> None:
+    for ranks in run_ranks(corrections_worker, 4, tmp_path):
+        for options, result in zip(CORRECTIONS, ranks):
+            assert result["conservation"] < 1e-6, (options, result)
+            assert result["residual"] < 1e-6, (options, result)
+            assert result["memory"] < 1e-6, (options, result)
+            # K == k over the model at every step; under the warm-up, k follows its schedule
+            assert result["sent"] == result["targets"] == result["expected"], (options, result)
+            for name in set(options) - {"momentum_nesterov"}:  # nesterov: in momentum's entry
+                assert name in result["described"]
+    warmup = ranks[1]["expected"]
+    assert warmup[0] > warmup[1] > warmup[2] == ranks[0]["expected"][2]
+
+
+RESUMED = [  # each saved after 2 steps, the warm-up's 3 not over then
+    {},
+    {"momentum_correction": 0.9, "momentum_nesterov": True, "density_warmup": (0.2, 3)},
+    {"adam_correction": (0.5, 0.9, 1e-8)},
+]
+
+
 def resume_worker(rank: int, n: int, folder: str) -> dict:
     """Model and states through torch.distributed.checkpoint, each rank's state its own."""
     import torch.distributed.checkpoint as dcp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
-    def fresh(shape=mesh) -> tuple[nn.Module, microsparse.fsdp.ShardedState]:
+    def fresh(shape=mesh, **options) -> tuple[nn.Module, microsparse.fsdp.ShardedState]:
         model = sharded(shape["shard"])
-        return model, microsparse.fsdp.sparsify(model, shape["replicate"], density=0.05)
+        return model, microsparse.fsdp.sparsify(model, shape["replicate"], 0.05, **options)
 
-    model, state = fresh()
-    train(model, rank, range(2))
-    dcp.save({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
-             checkpoint_id=folder)  # fmt: skip
-    straight = train(model, rank, range(2, 4))
+    exact = []
+    for case, options in enumerate(RESUMED):
+        model, state = fresh(**options)
+        train(model, rank, range(2))
+        dcp.save({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+                 checkpoint_id=f"{folder}/{case}")  # fmt: skip
+        straight = train(model, rank, range(2, 4))
 
-    model, state = fresh()
-    dcp.load({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
-             checkpoint_id=folder)  # fmt: skip
-    resumed = train(model, rank, range(2, 4))
-    steps = state.step
+        model, state = fresh(**options)
+        dcp.load({"model": model.state_dict(), "sparse": microsparse.OwnRank(state)},
+                 checkpoint_id=f"{folder}/{case}")  # fmt: skip
+        resumed = train(model, rank, range(2, 4))
+        exact.append(state.step == 4 and same(straight, resumed))
 
+    refused = []
     # Another mesh shape, the same ranks: 4 replicas of one shard each.
     other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
-    model, state = fresh(other)
-    try:
-        dcp.load({"sparse": microsparse.OwnRank(state)}, checkpoint_id=folder)
-        refused = "no error"
-    except ValueError as error:
-        refused = str(error)
-    return {"exact": steps == 4 and same(straight, resumed), "refused": refused}
+    # The corrections saved, none here: the velocity would be dropped without a word.
+    for (_, state), case in [(fresh(other), 0), (fresh(), 1)]:
+        try:
+            dcp.load({"sparse": microsparse.OwnRank(state)}, checkpoint_id=f"{folder}/{case}")
+            refused.append("no error")
+        except ValueError as error:
+            refused.append(str(error))
+    return {"exact": exact, "refused": refused}
 
 
 def test_a_resumed_run_continues_bit_for_bit_through_dcp(tmp_path) -> None:
     for result in run_ranks(resume_worker, 4, tmp_path, str(tmp_path / "checkpoint")):
-        assert result["exact"]
-        assert "saved with other options" in result["refused"]
-        assert "shard (this rank's place, shard size)" in result["refused"]
+        assert result["exact"] == [True] * len(RESUMED)  # the velocity and moments too
+        other_mesh, without_corrections = result["refused"]
+        assert "saved with other options" in other_mesh
+        assert "shard (this rank's place, shard size)" in other_mesh
+        assert "momentum_correction [0.9, True] there, '(not set)' here" in without_corrections
+        assert "density_warmup [0.2, 3] there" in without_corrections
+
+
+BAD_CORRECTIONS = [  # (the arguments, what the error must say)
+    ({"density": 1.0, "momentum_correction": 0.9},
+     "momentum_correction needs error feedback, but this state averages densely"),
+    ({"density": 0.01, "sparsifier": "dense", "adam_correction": (0.9, 0.999, 1e-8)},
+     "leave adam_correction unset and keep the optimiser's Adam"),
+    ({"density": 0.01, "momentum_correction": 0.9, "adam_correction": (0.9, 0.999, 1e-8)},
+     "replaces momentum correction: use it without momentum_correction"),
+    ({"density": 0.01, "momentum_correction": 1.0}, "momentum_correction must be in [0, 1)"),
+    ({"density": 0.01, "adam_correction": (0.9, 0.99)},
+     "adam_correction must be (beta1, beta2, eps), e.g. (0.9, 0.999, 1e-8)"),
+    ({"density": 0.01, "density_warmup": (0.005, 10)},
+     "density_warmup: the start density (0.005) must be above the density (0.01)"),
+    ({"density": 1.0, "density_warmup": (0.5, 10)},
+     "density_warmup needs a sparsifier that selects"),
+    ({"density": 0.01, "density_warmup": (0.1, 0)},
+     "density_warmup: the steps must be a whole number >= 1"),
+]  # fmt: skip
 
 
 def refusal_worker(rank: int, n: int) -> list[str]:
@@ -217,12 +343,27 @@ def refusal_worker(rank: int, n: int) -> list[str]:
         lambda: microsparse.fsdp.sparsify(sharded(mesh["shard"]), mesh["replicate"], 0.01,
                                           selction="threshold"),  # fmt: skip
     ]
+    attempts += [
+        functools.partial(
+            microsparse.fsdp.sparsify, sharded(mesh["shard"]), mesh["replicate"], **arguments
+        )
+        for arguments, _ in BAD_CORRECTIONS
+    ]
     for attempt in attempts:
         try:
             attempt()
             messages.append("no error")
         except (TypeError, ValueError) as error:
             messages.append(str(error))
+    # Replicas that disagree on a correction: named, with each one's value.
+    model = sharded(mesh["shard"])
+    momentum = 0.9 if rank < 2 else 0.5  # the replicas of each shard: ranks 0, 2 and 1, 3
+    microsparse.fsdp.sparsify(model, mesh["replicate"], 0.01, momentum_correction=momentum)
+    try:
+        model(batch(0, rank)).sum().backward()
+        messages.append("no error")
+    except microsparse.ConfigMismatchError as error:
+        messages.append(str(error))
     # The shard dimension given as the replicate one: ranks holding other shards disagree.
     model = sharded(mesh["shard"])
     microsparse.fsdp.sparsify(model, mesh["shard"], density=0.01)
@@ -236,7 +377,11 @@ def refusal_worker(rank: int, n: int) -> list[str]:
 
 def test_bad_input_is_refused_on_every_rank_with_the_fix(tmp_path) -> None:
     for messages in run_ranks(refusal_worker, 4, tmp_path):
-        plain, hybrid, two_d, misspelt, wrong_group = messages
+        plain, hybrid, two_d, misspelt, *corrections, disagree, wrong_group = messages
+        for (_, expected), message in zip(BAD_CORRECTIONS, corrections, strict=True):
+            assert expected in message, message
+        assert "grad_scaler" not in corrections[2]  # sparsify has none
+        assert "momentum_correction (rank 0: [0.9, False], rank 1: [0.5, False])" in disagree
         assert "none of its modules is sharded by FSDP2; call fully_shard" in plain
         assert "a 2-D mesh (hybrid sharding)" in hybrid and "mesh['shard']" in hybrid
         assert "replicate must be one dimension of the mesh" in two_d

@@ -25,6 +25,7 @@ LAYERS = [
     ["microsparse.comm", "microsparse.feedback"],
     ["microsparse.sparsifiers"],
     ["microsparse.engine"],
+    ["microsparse.options"],
     ["microsparse.reducer", "microsparse.ddp"],
     ["microsparse.fsdp", "microsparse.lightning", "microsparse"],
     ["microsparse_lab.methods", "microsparse_lab.arguments"],

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from microsparse.errors import ConfigMismatchError, NonFiniteGradientError
+from microsparse.options import SparseOptions
 from microsparse.ranks import EveryRank, OwnRank
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers import available_sparsifiers, register_sparsifier
@@ -32,6 +33,7 @@ __all__ = [
     "GradientReducer",
     "NonFiniteGradientError",
     "OwnRank",
+    "SparseOptions",
     "StepStats",
     "available_sparsifiers",
     "register_sparsifier",

@@ -22,6 +22,7 @@ from microsparse.engine.stats import step_stats
 from microsparse.engine.step import NonFinite, elapsed_seconds, scaler_scale
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
+from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import create_sparsifier, keywords_of
 from microsparse.sparsifiers.warmup import DensityWarmup
@@ -139,44 +140,35 @@ class GradientReducer:
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
-        if value_dtype not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
-            )
         if collectives is not None and process_group is not None:
             raise ValueError("pass process_group or collectives, not both")
-        if adam_correction is not None and grad_scaler is not None:
-            raise ValueError(
-                "adam_correction keeps Adam's moments of unscaled gradients: it cannot follow "
-                "a grad_scaler's scale; train without the scaler (bf16 autocast needs none)"
-            )
-        self.value_dtype = value_dtype
+        self.sparse_options = SparseOptions(
+            sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
+            adam_correction, density_warmup, options, owner=keywords_of(type(self)),
+        )  # fmt: skip
+        """Every option of the sparse step, checked."""
+        opts = self.sparse_options
+        opts.check_scaler(grad_scaler)
         self._names, self._params = _trainable_parameters(params)
         first = self._params[0]
         self.layout = Layout.of(list(zip(self._names, self._params)))
         self._comm = collectives if collectives is not None else ProcessGroupCollectives(
             process_group
         )
-        self.sparsifier = create_sparsifier(sparsifier, density, owner=keywords_of(type(self)),
-                                            **options)  # fmt: skip
+        self.sparsifier = create_sparsifier(sparsifier, opts.density, **opts.options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)
-        self.nonfinite = nonfinite
-        self._feedback = ErrorFeedback(self.layout, dtype, first.device, momentum_correction,
-                                       momentum_nesterov, adam_correction)  # fmt: skip
-        self.momentum_correction = self._feedback.momentum
-        self.adam_correction = self._feedback.adam
-        self.density_warmup = warmup = DensityWarmup.of(density_warmup)
+        self._feedback = ErrorFeedback(self.layout, dtype, first.device, *opts.momentum,
+                                       opts.adam_correction)  # fmt: skip
         schedule = None
-        if warmup is not None:
-            warmup.check(self.sparsifier.density)
-            final, numel = self.sparsifier.target, self.layout.numel
+        if opts.density_warmup is not None:
+            warmup, final, numel = opts.density_warmup, self.sparsifier.target, self.layout.numel
 
             def schedule(step: int) -> int:
                 return warmup.target(step, self.sparsifier.density, final, numel)
 
-        self._engine = SparseStep(self.sparsifier, self._feedback, value_dtype, schedule,
-                                  nonfinite)  # fmt: skip
+        self._engine = SparseStep(self.sparsifier, self._feedback, opts.value_dtype, schedule,
+                                  opts.nonfinite)  # fmt: skip
         self._output = GradientOutput(self._params, self.layout)
         self.grad_scaler = grad_scaler
         self.step = 0
@@ -242,23 +234,23 @@ class GradientReducer:
     def _config(self) -> dict[str, str]:
         """The options every rank must share, as text (joined, the saved fingerprint)."""
         shapes = ",".join("x".join(map(str, shape)) for shape in self.layout.shapes)
+        opts = self.sparse_options
         config = {
             "parameter shapes": shapes,
             "sparsifier": self.sparsifier.name,
             "density": repr(self.sparsifier.density),
             "sparsifier options": str(sorted(self.sparsifier.options().items())),
             "gradient dtype": str(self._feedback.residual.dtype),
-            "value_dtype": str(self.value_dtype),
-            "nonfinite='raise'": str(self.nonfinite == "raise"),
+            "value_dtype": str(opts.value_dtype),
+            "nonfinite='raise'": str(opts.nonfinite == "raise"),
         }
-        if self.momentum_correction:  # absent otherwise: older states still load
-            config["momentum_correction"] = (
-                f"momentum {self.momentum_correction} {self._feedback.nesterov}"
-            )
-        if self.adam_correction is not None:
-            config["adam_correction"] = f"adam {self.adam_correction!r}"
-        if self.density_warmup is not None:
-            warmup = self.density_warmup
+        # in the text older states saved; absent when off, so that they still load
+        if opts.momentum_correction:
+            config["momentum_correction"] = "momentum {} {}".format(*opts.momentum)
+        if opts.adam_correction is not None:
+            config["adam_correction"] = f"adam {opts.adam_correction!r}"
+        if opts.density_warmup is not None:
+            warmup = opts.density_warmup
             config["density_warmup"] = f"warm-up {warmup.start!r} {warmup.steps}"
         return config
 

@@ -32,9 +32,9 @@ import torch
 
 from microsparse.comm.framing import Dense
 from microsparse.engine import FlatOutput, SparseOutput, SparseStep
-from microsparse.engine.step import NonFinite
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
+from microsparse.options import SparseOptions
 from microsparse.sparsifiers import Sparsifier
 from microsparse.sparsifiers.warmup import DensityWarmup
 
@@ -83,29 +83,27 @@ class Slab:
         self,
         params: Sequence[torch.Tensor],
         indices: Sequence[int],
-        sparsifier: Sparsifier,
+        options: SparseOptions,
         offset: int,
         rank: int,
         world_size: int,
-        value_dtype: torch.dtype | None,
-        nonfinite: NonFinite = "skip",
-        momentum: tuple[float, bool] = (0.0, False),
-        warmup: DensityWarmup | None = None,
-        adam: tuple[float, float, float] | None = None,
     ) -> None:
         self.params = tuple(params)
         self.indices = tuple(indices)
         """Each parameter's place in the order the state first met them (for checkpoints)."""
         self.layout = Layout.of([(f"parameter {i}", p) for i, p in zip(self.indices, params)])
+        sparsifier = options.make_sparsifier()
         target = slab_target(sparsifier.density, offset, self.layout.numel)
         sparsifier.bind(self.layout, rank, world_size, target)
         dtype = torch.promote_types(torch.float32, params[0].dtype)
         for p in params:
             dtype = torch.promote_types(dtype, p.dtype)
-        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, *momentum, adam)
-        self.engine = SparseStep(sparsifier, self.feedback, value_dtype,
-                                 _slab_schedule(warmup, sparsifier.density, offset, target,
-                                                self.layout.numel), nonfinite)  # fmt: skip
+        self.feedback = ErrorFeedback(self.layout, dtype, params[0].device, *options.momentum,
+                                      options.adam_correction)  # fmt: skip
+        schedule = _slab_schedule(options.density_warmup, sparsifier.density, offset, target,
+                                  self.layout.numel)  # fmt: skip
+        self.engine = SparseStep(sparsifier, self.feedback, options.value_dtype, schedule,
+                                 options.nonfinite)  # fmt: skip
         self._output: SparseOutput | None = None
 
     def output_for(self, buffer: torch.Tensor) -> FlatOutput | SparseOutput:
@@ -251,35 +249,23 @@ class _Arrived:
 class Slabs:
     """Which slab each parameter is in, following DDP's buckets; see the module docstring.
 
-    ``make_sparsifier`` builds a fresh, unbound sparsifier for a new slab; ``one_exchange``
-    makes the whole model one slab (see the module docstring).
+    ``options`` builds each new slab's sparsifier and feedback; ``one_exchange`` makes the
+    whole model one slab (see the module docstring).
     """
 
     def __init__(
         self,
-        make_sparsifier: Callable[[], Sparsifier],
+        options: SparseOptions,
         rank: int,
         world_size: int,
-        value_dtype: torch.dtype | None,
-        nonfinite: NonFinite = "skip",
-        momentum: tuple[float, bool] = (0.0, False),
-        warmup: DensityWarmup | None = None,
-        adam: tuple[float, float, float] | None = None,
         one_exchange: bool = False,
     ) -> None:
-        self._make = make_sparsifier
+        self.options = options
         self.one_exchange = one_exchange
         self._bucket_outputs: dict[int, SparseOutput] = {}  # one_exchange: kept per bucket
         self._spread: tuple[object, BucketsOutput] | None = None
-        self.warmup = warmup
-        self.nonfinite = nonfinite
-        self.momentum = momentum
-        """Momentum correction (m, Nesterov): each parameter then carries a velocity too."""
-        self.adam = adam
-        """Adam correction (β₁, β₂, ε): each parameter then carries Adam's two moments."""
         self.rank = rank
         self.world_size = world_size
-        self.value_dtype = value_dtype
         self.order: list[torch.Tensor] = []
         """Parameters in the order first met: on a fresh DDP model fixed by its definition."""
         self._index: dict[int, int] = {}
@@ -420,9 +406,7 @@ class Slabs:
 
     def _new_slab(self, params: Sequence[torch.Tensor]) -> Slab:
         indices = [self._index[id(p)] for p in params]
-        slab = Slab(params, indices, self._make(), self._offset, self.rank, self.world_size,
-                    self.value_dtype, self.nonfinite, self.momentum, self.warmup,
-                    self.adam)  # fmt: skip
+        slab = Slab(params, indices, self.options, self._offset, self.rank, self.world_size)
         for index, p in enumerate(params):
             previous = self.memory(p)
             if previous is not None:  # DDP rebuilt its buckets (or a restore): it moves along
@@ -480,9 +464,9 @@ class Slabs:
             "slabs": [list(slab.indices) for slab in slabs],
             "states": [slab.sparsifier.state_dict() for slab in slabs],
         }
-        if self.momentum[0]:
+        if self.options.momentum_correction:
             state["velocities"] = [buffers[1] for buffers in memory]
-        if self.adam is not None:
+        if self.options.adam_correction is not None:
             state["moments"] = [buffers[1:] for buffers in memory]
         return state
 
@@ -494,15 +478,18 @@ class Slabs:
         slab_of = {index: number for number, slab in enumerate(definitions) for index in slab}
         saved = _Saved(list(state["residuals"]), definitions,  # type: ignore[call-overload]
                        list(state["states"]), slab_of, set())  # type: ignore[call-overload]  # fmt: skip
-        velocities = state.get("velocities") if self.momentum[0] else None
-        moments = state.get("moments") if self.adam is not None else None
+        velocities = state.get("velocities") if self.options.momentum_correction else None
+        moments = state.get("moments") if self.options.adam_correction is not None else None
         self._saved_memory = [
             [residual]
             + ([] if velocities is None else [velocities[i]])  # type: ignore[index]
             + ([] if moments is None else list(moments[i]))  # type: ignore[index]
             for i, residual in enumerate(saved.residuals)
         ]
-        self._restored = saved if saved.slabs else None
+        # A dense average selects nothing, so the saved grouping changes nothing: dense slabs
+        # follow DDP's buckets from the first pass, their residuals moving in by parameter.
+        keeps_slabs = saved.slabs and not self.options.averages_densely
+        self._restored = saved if keeps_slabs else None
 
     def check_complete(self) -> None:
         """At the end of a restored pass: every parameter must have been in a saved slab."""

@@ -20,16 +20,13 @@ from microsparse.ddp.slabs import RESTORE_AFTER_BACKWARD, Job, Slabs
 from microsparse.engine import StepReport
 from microsparse.engine.plan import step_collectives
 from microsparse.engine.stats import dense_stats, step_stats
-from microsparse.engine.step import NONFINITE, NonFinite
-from microsparse.feedback import check_adam, check_momentum
+from microsparse.engine.step import NonFinite
 from microsparse.layout import Layout
+from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
-from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
-from microsparse.sparsifiers.base import validate_density
+from microsparse.sparsifiers import Sparsifier, keywords_of
 from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import StepStats
-
-VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
 
 
 class SparseState:
@@ -109,10 +106,6 @@ class SparseState:
         min_speedup: float | None = None,
         **options: Any,
     ) -> None:
-        if value_dtype not in VALUE_DTYPES:
-            raise ValueError(
-                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
-            )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group (the third positional argument) must be a torch.distributed "
@@ -123,61 +116,28 @@ class SparseState:
             isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0
         ):
             raise ValueError(f"timeout must be None or a number of seconds > 0; got {timeout!r}")
-        self.sparsifier = sparsifier
-        self.density = validate_density(density)
-        self.options = dict(options)
-        self.value_dtype = value_dtype
+        self.sparse_options = SparseOptions(
+            sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
+            adam_correction, density_warmup, options,
+            owner=(type(self).__name__, keywords_of(SparseState)[1]),
+        )  # fmt: skip
+        """Every option of the sparse step, checked."""
+        self.sparse_options.check_scaler(grad_scaler)
         self.timeout = timeout
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
-        self.nonfinite = nonfinite
         self.grad_scaler = grad_scaler
         self.process_group = process_group
-        self.momentum = (check_momentum(momentum_correction), bool(momentum_nesterov))
-        self.adam = None if adam_correction is None else check_adam(adam_correction)
-        if self.adam is not None and (grad_scaler is not None or self.momentum[0]):
-            raise ValueError(
-                "adam_correction keeps Adam's moments of unscaled gradients and replaces "
-                "momentum correction: use it without grad_scaler and momentum_correction"
-            )
-        # the options' errors, now, with the closest spelling of a misspelt keyword
-        owner = (type(self).__name__, keywords_of(SparseState)[1])
-        create_sparsifier(sparsifier, self.density, owner=owner, **options)
-        self._check_corrections()
         if not isinstance(one_exchange, bool):
             raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
         self.one_exchange = one_exchange
         self.min_speedup = self._check_min_speedup(min_speedup)
         self.speed = None if self.min_speedup is None else SpeedChoice(self.min_speedup)
         """The timing and choice of ``min_speedup`` (None without it)."""
-        self.density_warmup = DensityWarmup.of(density_warmup)
-        if self.density_warmup is not None:
-            if self.averages_densely:
-                raise ValueError(
-                    "density_warmup needs a sparsifier that selects, but this state averages "
-                    "densely (dense, or density 1): leave density_warmup unset"
-                )
-            self.density_warmup.check(self.density)
         self.step = 0
         """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None
         """Statistics of the last completed backward pass."""
         self._binding: _Binding | None = None
         self._pending: dict[str, Any] | None = None
-
-    def _check_corrections(self) -> None:
-        """Momentum and Adam correction keep the optimiser in the residual: they need one."""
-        if self.adam is not None and self.averages_densely:
-            raise ValueError(
-                "adam_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
-            )
-        if self.momentum[0] and self.averages_densely:
-            raise ValueError(
-                "momentum_correction needs error feedback, but this state averages densely "
-                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
-                "momentum"
-            )
 
     def _check_min_speedup(self, min_speedup: float | None) -> float | None:
         """``min_speedup``, checked against the options that need every pass sparse."""
@@ -190,10 +150,10 @@ class SparseState:
                 "averages densely (dense, or density 1): leave min_speedup unset (None)"
             )
         clashing = [name for name, on in (
-            ("nonfinite='raise'", self.nonfinite == "raise"),
+            ("nonfinite='raise'", self.sparse_options.nonfinite == "raise"),
             ("grad_scaler", self.grad_scaler is not None),
-            ("momentum_correction", bool(self.momentum[0])),
-            ("adam_correction", self.adam is not None),
+            ("momentum_correction", bool(self.sparse_options.momentum_correction)),
+            ("adam_correction", self.sparse_options.adam_correction is not None),
         ) if on]  # fmt: skip
         if clashing:  # they need every pass sparse (a dense pass has no residual to keep)
             raise ValueError(
@@ -203,14 +163,22 @@ class SparseState:
         return min_speedup
 
     @property
+    def sparsifier(self) -> str:
+        return self.sparse_options.sparsifier
+
+    @property
+    def density(self) -> float:
+        return self.sparse_options.density
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The sparsifier's own options."""
+        return dict(self.sparse_options.options)
+
+    @property
     def averages_densely(self) -> bool:
         """Density 1, or the ``dense`` sparsifier: plain averaging, as DDP's own."""
-        return self.density >= 1.0 or self.sparsifier == "dense"
-
-    def _make_sparsifier(self) -> Sparsifier:
-        if self.averages_densely:
-            return create_sparsifier("dense", 1.0)
-        return create_sparsifier(self.sparsifier, self.density, **self.options)
+        return self.sparse_options.averages_densely
 
     def bind(self) -> _Binding:
         """Bind to the process group (collective: every rank, at the first backward pass)."""
@@ -226,14 +194,13 @@ class SparseState:
         rank, world_size = dist.get_rank(group), len(ranks)
         if self._pending is not None:
             _check_saved_by(self._pending, rank, world_size)
-        probe = self._make_sparsifier()
+        probe = self.sparse_options.make_sparsifier()
         probe.bind(_probe_layout(), rank, world_size)
-        rounds = _rounds(probe, warmup=self.density_warmup is not None)
+        options = self.sparse_options
+        rounds = _rounds(probe, warmup=options.density_warmup is not None)
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
-        slabs = Slabs(self._make_sparsifier, rank, world_size, self.value_dtype,
-                      self.nonfinite, self.momentum, self.density_warmup,
-                      self.adam, self.one_exchange and not self.averages_densely)  # fmt: skip
+        slabs = Slabs(options, rank, world_size, self.one_exchange and not self.averages_densely)
         if self._pending is not None:
             slabs.restore(self._pending["slabs"])
             self._pending = None
@@ -256,7 +223,9 @@ class SparseState:
         self.residual(param)  # raises if not met yet
         assert self._binding is not None
         memory = self._binding.slabs.memory(param)
-        return memory[1] if memory is not None and self.momentum[0] else None
+        if memory is None or not self.sparse_options.momentum_correction:
+            return None
+        return memory[1]
 
     def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This rank's Adam moments (m, v) of ``param`` with Adam correction (flat; do not
@@ -264,7 +233,9 @@ class SparseState:
         self.residual(param)  # raises if not met yet
         assert self._binding is not None
         memory = self._binding.slabs.memory(param)
-        return (memory[1], memory[2]) if memory is not None and self.adam is not None else None
+        if memory is None or self.sparse_options.adam_correction is None:
+            return None
+        return memory[1], memory[2]
 
     @property
     def rank(self) -> int | None:
@@ -281,15 +252,10 @@ class SparseState:
             "sparsifier": self.sparsifier,
             "density": self.density,
             "options": sorted(self.options.items()),
-            "value_dtype": str(self.value_dtype),
-            "transactional": self.nonfinite == "raise",
+            "value_dtype": str(self.sparse_options.value_dtype),
+            "transactional": self.sparse_options.nonfinite == "raise",
         }
-        if self.momentum[0]:  # absent otherwise: older states still load
-            config["momentum_correction"] = list(self.momentum)
-        if self.adam is not None:
-            config["adam_correction"] = list(self.adam)
-        if self.density_warmup is not None:
-            config["density_warmup"] = [self.density_warmup.start, self.density_warmup.steps]
+        config.update(self.sparse_options.corrections())
         if self.one_exchange:  # the slabs, and so the saved thresholds, differ
             config["one_exchange"] = True
         if self.min_speedup is not None:
@@ -362,30 +328,18 @@ class SparseState:
 
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "args": (self.sparsifier, self.density),
-            "value_dtype": self.value_dtype,
-            "timeout": self.timeout,
-            "nonfinite": self.nonfinite,
-            "momentum": self.momentum,
-            "density_warmup": self.density_warmup,
-            "adam": self.adam,
-            "one_exchange": self.one_exchange,
-            "min_speedup": self.min_speedup,
-            "options": self.options,
+            "kwargs": {
+                **self.sparse_options.kwargs(),
+                "timeout": self.timeout,
+                "one_exchange": self.one_exchange,
+                "min_speedup": self.min_speedup,
+            },
             "state": self.state_dict(),
         }
 
     def __setstate__(self, saved: dict[str, Any]) -> None:
         # Process groups do not pickle: the copy binds to the default group on first use.
-        SparseState.__init__(self, *saved["args"], value_dtype=saved["value_dtype"],
-                             timeout=saved.get("timeout"), nonfinite=saved.get("nonfinite", "skip"),
-                             momentum_correction=saved.get("momentum", (0.0, False))[0],
-                             momentum_nesterov=saved.get("momentum", (0.0, False))[1],
-                             adam_correction=saved.get("adam"),
-                             density_warmup=saved.get("density_warmup"),
-                             one_exchange=saved.get("one_exchange", False),
-                             min_speedup=saved.get("min_speedup"),
-                             **saved["options"])  # fmt: skip
+        SparseState.__init__(self, **saved["kwargs"])
         self._pending = saved["state"] if saved["state"]["rank"] is not None else None
         self.step = int(saved["state"]["step"])
         if self.speed is not None:

@@ -13,12 +13,13 @@ from torch import nn
 from microsparse.comm import ProcessGroupCollectives
 from microsparse.comm.collectives import check_agreement
 from microsparse.ddp.slabs import Job, Slab
-from microsparse.ddp.state import VALUE_DTYPES, PassRecord
+from microsparse.ddp.state import PassRecord
 from microsparse.engine import FlatOutput
-from microsparse.engine.step import NONFINITE, NonFinite, run_blocking
+from microsparse.engine.step import NonFinite, run_blocking
+from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
-from microsparse.sparsifiers import Sparsifier, create_sparsifier, keywords_of
-from microsparse.sparsifiers.base import validate_density
+from microsparse.sparsifiers import keywords_of
+from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import StepStats
 
 
@@ -30,6 +31,10 @@ def sparsify(
     *,
     value_dtype: torch.dtype | None = None,
     nonfinite: NonFinite = "skip",
+    momentum_correction: float = 0.0,
+    momentum_nesterov: bool = False,
+    adam_correction: tuple[float, float, float] | None = None,
+    density_warmup: DensityWarmup | tuple[float, int] | None = None,
     **options: Any,
 ) -> ShardedState:
     """Average ``model``'s gradient shards across ``replicate`` sparsely, with error feedback.
@@ -50,7 +55,22 @@ def sparsify(
         nonfinite: ``"skip"`` (default): a NaN or Inf in any replica's shard changes none of
             that module's residuals and writes NaN into its gradient shard; ``"raise"``: every
             rank raises ``NonFiniteGradientError`` from ``backward()``.
+        momentum_correction: momentum m of Deep Gradient Compression's momentum correction:
+            each rank keeps a velocity u ← m·u + g of its shard, the residual accumulates u
+            instead of g, and u is zeroed wherever a value was sent. The average then carries
+            the momentum, so step the optimiser *without* momentum. 0 (default): off.
+        momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
+        adam_correction: ``(beta1, beta2, eps)``: each rank keeps Adam's moments of its shard
+            and the residual accumulates its own Adam step instead of g, so step with plain
+            SGD at Adam's learning rate. Not with ``momentum_correction``.
+        density_warmup: ``(start, steps)``: send at density start · (density / start) **
+            (t / steps) at step t < steps, then at ``density`` (the modules' ks add up to the
+            model's at every step).
         **options: the sparsifier's options (e.g. MiCRO's ``selection``).
+
+    The corrections need error feedback: at density 1, or with ``dense``, they are refused.
+    The velocity or the moments have the shard's size, like the residual, and are saved with
+    it by ``state_dict()``.
 
     Returns the :class:`ShardedState`: ``step``, ``last_step`` (:class:`~microsparse.StepStats`
     of the last backward pass), ``state_dict()`` and ``load_state_dict()``.
@@ -62,7 +82,9 @@ def sparsify(
         state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.001)
     """
     state = ShardedState(replicate, density, sparsifier, value_dtype=value_dtype,
-                         nonfinite=nonfinite, **options)  # fmt: skip
+                         nonfinite=nonfinite, momentum_correction=momentum_correction,
+                         momentum_nesterov=momentum_nesterov, adam_correction=adam_correction,
+                         density_warmup=density_warmup, **options)  # fmt: skip
     state.attach(model)
     return state
 
@@ -85,22 +107,19 @@ class ShardedState:
         *,
         value_dtype: torch.dtype | None = None,
         nonfinite: NonFinite = "skip",
+        momentum_correction: float = 0.0,
+        momentum_nesterov: bool = False,
+        adam_correction: tuple[float, float, float] | None = None,
+        density_warmup: DensityWarmup | tuple[float, int] | None = None,
         **options: Any,
     ) -> None:
-        if value_dtype not in VALUE_DTYPES:
-            raise ValueError(
-                f"value_dtype must be None, torch.float16 or torch.bfloat16; got {value_dtype!r}"
-            )
-        if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
+        self.sparse_options = SparseOptions(
+            sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
+            adam_correction, density_warmup, options,
+            owner=("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1]),
+        )  # fmt: skip
+        """Every option of the sparse step, checked."""
         self.group = _replicate_group(replicate)
-        self.sparsifier = sparsifier
-        self.density = validate_density(density)
-        self.options = dict(options)
-        self.value_dtype = value_dtype
-        self.nonfinite = nonfinite
-        owner = ("microsparse.fsdp.sparsify", keywords_of(ShardedState)[1])
-        create_sparsifier(sparsifier, self.density, owner=owner, **options)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         """This rank's place and the number of replicas (the exchange's n)."""
@@ -119,9 +138,13 @@ class ShardedState:
         self._restored: dict[int, dict[str, Any]] | None = None
 
     @property
+    def density(self) -> float:
+        return self.sparse_options.density
+
+    @property
     def averages_densely(self) -> bool:
         """Density 1, or the ``dense`` sparsifier: hybrid sharding's plain average."""
-        return self.density >= 1.0 or self.sparsifier == "dense"
+        return self.sparse_options.averages_densely
 
     def attach(self, model: nn.Module) -> None:
         """Register the exchange on every FSDP module of ``model`` (see :func:`sparsify`)."""
@@ -218,8 +241,7 @@ class ShardedState:
         offset = self._offset if saved is None else int(saved["offset"])
         # A stand-in of the shard's shape: the slab must not keep FSDP's gradient alive.
         like = torch.empty((), dtype=shard.dtype, device=shard.device).expand(shard.shape)
-        slab = Slab([like], [number], self._make_sparsifier(), offset, self.rank,
-                    self.world_size, self.value_dtype, self.nonfinite)  # fmt: skip
+        slab = Slab([like], [number], self.sparse_options, offset, self.rank, self.world_size)
         self._offset = max(self._offset, offset + shard.numel())
         self._offsets[number] = offset
         if saved is not None:
@@ -228,26 +250,25 @@ class ShardedState:
                     f"load_state_dict: FSDP module {number}'s shard has {shard.numel()} entries "
                     f"here but {saved['numel']} in the checkpoint; restore on the same mesh shape"
                 )
-            slab.feedback.residual.copy_(saved["residual"])
+            # e, then u (momentum correction) or m and v (Adam correction), as in _saved.
+            for buffer, kept in zip(slab.feedback.buffers, _memory(saved)):
+                buffer.data.copy_(kept)
             slab.sparsifier.load_state_dict(saved["sparsifier"])
         self._slabs[number] = slab
         return slab
-
-    def _make_sparsifier(self) -> Sparsifier:
-        if self.averages_densely:
-            return create_sparsifier("dense", 1.0)
-        return create_sparsifier(self.sparsifier, self.density, **self.options)
 
     # ---- agreement and checkpoints --------------------------------------------------------
 
     def described(self) -> dict[str, Any]:
         """The options every replica must share, by name."""
+        options = self.sparse_options
         return {
-            "sparsifier": self.sparsifier,
-            "density": self.density,
-            "options": sorted(self.options.items()),
-            "value_dtype": str(self.value_dtype),
-            "nonfinite": self.nonfinite,
+            "sparsifier": options.sparsifier,
+            "density": options.density,
+            "options": sorted(options.options.items()),
+            "value_dtype": str(options.value_dtype),
+            "nonfinite": options.nonfinite,
+            **options.corrections(),
             "shard (this rank's place, shard size)": self._shard,
         }
 
@@ -256,7 +277,8 @@ class ShardedState:
         return zlib.crc32(repr(self.described()).encode())
 
     def state_dict(self) -> dict[str, Any]:
-        """Step, every module's residual and sparsifier state (this rank's; save one per rank).
+        """Step, every module's residual (and velocity or Adam moments) and sparsifier state
+        (this rank's; save one per rank).
 
         Example:
             >>> torch.save(state.state_dict(), f"sparse-rank{dist.get_rank()}.pt")  # doctest: +SKIP
@@ -266,16 +288,22 @@ class ShardedState:
             "rank": dist.get_rank(),
             "world_size": dist.get_world_size(),
             "config": self.described(),
-            "slabs": {
-                number: {
-                    "offset": self._offsets[number],
-                    "numel": slab.layout.numel,
-                    "residual": slab.feedback.residual.clone(),
-                    "sparsifier": slab.sparsifier.state_dict(),
-                }
-                for number, slab in self._slabs.items()
-            },
+            "slabs": {number: self._saved(number, slab) for number, slab in self._slabs.items()},
         }
+
+    def _saved(self, number: int, slab: Slab) -> dict[str, Any]:
+        feedback = slab.feedback
+        saved = {
+            "offset": self._offsets[number],
+            "numel": slab.layout.numel,
+            "residual": feedback.residual.clone(),
+            "sparsifier": slab.sparsifier.state_dict(),
+        }
+        if feedback.velocity is not None:
+            saved["velocity"] = feedback.velocity.clone()
+        if feedback.moments is not None:
+            saved["moments"] = [moment.clone() for moment in feedback.moments]
+        return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved on this rank, before the first backward pass."""
@@ -286,13 +314,18 @@ class ShardedState:
             )
         check_saved_by((state.get("rank"), state.get("world_size")), dist.get_rank(),
                        dist.get_world_size())  # fmt: skip
-        mine = self.described()
-        differing = [k for k in mine if _comparable(state["config"].get(k)) != _comparable(mine[k])]
+        mine, theirs = self.described(), state["config"]
+        # Both ways: an option that is on in one and off in the other is absent from it.
+        names = [*mine, *(k for k in theirs if k not in mine)]
+        differing = [k for k in names if _comparable(theirs.get(k)) != _comparable(mine.get(k))]
         if differing:
+            unset = "(not set)"
             raise ValueError(
                 "load_state_dict: the checkpoint was saved with other options: "
-                + "; ".join(f"{k} {state['config'].get(k)!r} there, {mine[k]!r} here"
-                            for k in differing)  # fmt: skip
+                + "; ".join(
+                    f"{k} {theirs.get(k, unset)!r} there, {mine.get(k, unset)!r} here"
+                    for k in differing
+                )
             )
         self._restored = {int(k): v for k, v in state["slabs"].items()}
         self.step = int(state["step"])
@@ -314,6 +347,12 @@ def _replicate_group(replicate: Any) -> dist.ProcessGroup:
         "replicate must be the replicate dimension of the device mesh (mesh['replicate']) or "
         f"its ProcessGroup; got {type(replicate).__name__}"
     )
+
+
+def _memory(saved: dict[str, Any]) -> list[torch.Tensor]:
+    """A saved module's buffers in :attr:`ErrorFeedback.buffers`' order."""
+    return [saved["residual"], *([saved["velocity"]] if "velocity" in saved else []),
+            *saved.get("moments", [])]  # fmt: skip
 
 
 def _comparable(value: Any) -> Any:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import math
 import os
 import statistics
 import time
@@ -50,6 +49,7 @@ from torch import nn
 
 from microsparse.comm.collectives import all_reduce_bytes
 from microsparse.reducer import GradientReducer
+from microsparse_lab.bench.settle import bisect_threshold, kth_magnitude
 from microsparse_lab.methods.hooks import attach_method
 from microsparse_lab.methods.names import NO_EXCHANGE, parse_method, split_labels
 from microsparse_lab.methods.traffic import modelled_bytes
@@ -153,8 +153,7 @@ def settle_threshold(reducer: GradientReducer, params: list[torch.Tensor]) -> No
     accumulated = reducer.residual + grads
     k = sparsifier.target
     if sparsifier.framing().label == "union":  # every rank selects over the whole vector
-        magnitude = accumulated.abs_()
-        sparsifier.settle(magnitude.topk(min(k, magnitude.numel())).values[-1].item())
+        sparsifier.settle(kth_magnitude(accumulated, k))
         return
 
     def global_count(threshold: float) -> int:
@@ -165,15 +164,10 @@ def settle_threshold(reducer: GradientReducer, params: list[torch.Tensor]) -> No
 
     largest = accumulated.abs().max().reshape(1)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    low, high = math.log(largest.item() * 1e-6 + 1e-30), math.log(largest.item() + 1e-30)
-    for _ in range(40):  # geometric bisection: keep count(e^low) >= k > count(e^high)
-        middle = (low + high) / 2
-        count = global_count(math.exp(middle))
-        if k <= count <= 1.01 * k:
-            low = middle
-            break
-        low, high = (middle, high) if count >= k else (low, middle)
-    sparsifier.settle(math.exp(low))
+    low, high = largest.item() * 1e-6 + 1e-30, largest.item() + 1e-30
+    # A count costs an all-reduce: stop within 1 % above k, and keep count(λ) >= k.
+    low, _ = bisect_threshold(global_count, k, low, high, rounds=40, within=1.01)
+    sparsifier.settle(low)
 
 
 def measure_in_rounds(args: argparse.Namespace, link: LinkCounter) -> list[dict[str, Any]]:

@@ -18,7 +18,8 @@ With one worker the run is exactly MiCRO with n = 1: a ``GradientReducer`` witho
 group, one ``synchronize()`` per step. MiCRO runs with the padded index message
 (:func:`micro_options`), so that K is what the threshold selects. With ``workers`` > 1 the
 virtual workers of :class:`~microsparse_lab.bench.virtual.VirtualCluster` each get the stream
-plus their own Gaussian noise (ρ = ``noise_ratio`` times the per-layer rms).
+plus their own Gaussian noise (ρ = ``noise_ratio`` times the per-layer rms: the one stream model
+of :mod:`microsparse_lab.bench.streams`).
 
 Reported per (stream, rule): K_0/k; steps to converge (the first step after which K/k stays
 within ±``band`` for ``window`` steps); the mean |K/k − 1| after convergence; for the
@@ -34,14 +35,14 @@ import inspect
 import math
 import statistics
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Generator
 
-from microsparse.layout import Layout
 from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers import create_sparsifier
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
@@ -53,10 +54,10 @@ from microsparse_lab.bench.output import (
     significant,
     write_results,
 )
+from microsparse_lab.bench.streams import Stream
 from microsparse_lab.bench.virtual import VirtualCluster
 from microsparse_lab.bench.workload import (
     expand,
-    layer_rms,
     layer_scales,
     model_layout,
     quantile_of_magnitude,
@@ -86,17 +87,6 @@ class ControllerConfig:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class Stream:
-    """A named gradient stream over one layout: ``gradients(seed)`` yields g_0, g_1, …"""
-
-    name: str
-    layout: Layout
-    density: float
-    gradients: Callable[[int], Iterator[torch.Tensor]]
-    description: str
-
-
 def synthetic_streams(config: ControllerConfig) -> list[Stream]:
     """The stationary and scale-drop streams of ``config``."""
     layout = model_layout(config.numel)
@@ -112,13 +102,14 @@ def synthetic_streams(config: ControllerConfig) -> list[Stream]:
 
     excess = min(config.initial_excess, 0.9 / config.density)
 
-    def gaussian(seed: int, sigma: float, drop: bool = False) -> Iterator[torch.Tensor]:
-        generator = torch.Generator().manual_seed(seed)
-        for step in range(config.steps):
+    def gaussian(sigma: float, drop: bool = False) -> Callable[[int, Generator], torch.Tensor]:
+        def shared(step: int, generator: Generator) -> torch.Tensor:
             factor = sigma
             if drop and config.drop_at <= step < config.rise_at:
                 factor *= config.drop_factor
-            yield torch.randn(config.numel, generator=generator).mul_(scales).mul_(factor)
+            return torch.randn(config.numel, generator=generator).mul_(scales).mul_(factor)
+
+        return shared
 
     start, settled = sigma_for(excess), sigma_for(1.0)
     shape = f"N(0, σ²) with per-layer scales, d = {config.numel:,}"
@@ -126,17 +117,21 @@ def synthetic_streams(config: ControllerConfig) -> list[Stream]:
         Stream(
             "stationary",
             layout,
-            config.density,
-            lambda seed: gaussian(seed, start),
+            gaussian(start),
             f"{shape}, σ set so that λ_0 selects {excess:.3g}·k at step 0",
+            config.steps,
+            config.noise_ratio,
+            config.density,
         ),
         Stream(
             "scale-drop",
             layout,
-            config.density,
-            lambda seed: gaussian(seed, settled, drop=True),
+            gaussian(settled, drop=True),
             f"{shape}, σ set so that λ_0 selects k at step 0 (every rule starts on target); "
             f"× {config.drop_factor:g} from step {config.drop_at} to {config.rise_at - 1}",
+            config.steps,
+            config.noise_ratio,
+            config.density,
         ),
     ]
 
@@ -154,21 +149,22 @@ def captured_stream(config: ControllerConfig) -> Stream:
     steps = min(config.steps, capture.steps)
     cache: dict[int, torch.Tensor] = {}
 
-    def gradients(seed: int) -> Iterator[torch.Tensor]:
-        for step in range(steps):
-            if step not in cache:
-                cache[step] = capture.gradient(capture.ranks[0], step)
-            yield cache[step]
+    def shared(step: int, generator: Generator) -> torch.Tensor:
+        if step not in cache:
+            cache[step] = capture.gradient(capture.ranks[0], step)
+        return cache[step]
 
     meta = capture.metadata
     return Stream(
         "captured",
         capture.layout,
-        density,
-        gradients,
+        shared,
         f"rank {capture.ranks[0]}'s gradients of {meta.get('task', '?')}/"
         f"{meta.get('model', '?')}, its first {steps} steps in order, d = {numel:,}, at their "
         "own scale",
+        steps,
+        config.noise_ratio,
+        density,
     )
 
 
@@ -189,35 +185,24 @@ def run_rule(stream: Stream, rule: str, config: ControllerConfig) -> list[float]
     """K_t / k for every step of ``stream`` under MiCRO with threshold rule ``rule``."""
     ratios = []
     options = micro_options(rule)
+    assert stream.steps is not None and stream.density is not None
+    generator = torch.Generator().manual_seed(config.seed)
     if config.workers == 1:
         parameter = torch.nn.Parameter(torch.zeros(stream.layout.numel))
         parameter.grad = torch.zeros_like(parameter)
         reducer = GradientReducer([parameter], "micro", stream.density, **options)
-        for gradient in stream.gradients(config.seed):
-            parameter.grad.copy_(gradient)  # synchronize() overwrites p.grad with the average
+        for step in range(stream.steps):
+            # synchronize() overwrites p.grad with the average
+            parameter.grad.copy_(stream.shared(step, generator))
             stats = reducer.synchronize()
             ratios.append(stats.selected / stats.target)
         return ratios
     cluster = VirtualCluster("micro", stream.density, stream.layout, config.workers, **options)
     noise = torch.Generator().manual_seed(config.seed + 2)
-    for gradient in stream.gradients(config.seed):
-        gradient_for = _with_noise(gradient, stream.layout, config.noise_ratio, noise)
-        record = cluster.step(gradient_for)
+    for step in range(stream.steps):
+        record = cluster.step(stream.source(step, generator, noise))
         ratios.append(record.selected / record.target)
     return ratios
-
-
-def _with_noise(
-    gradient: torch.Tensor, layout: Layout, ratio: float, generator: torch.Generator
-) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """Worker r's gradient: ``gradient`` + ratio · rms_layer(gradient) · z, fresh z per call."""
-    scale = expand(ratio * layer_rms(gradient, layout), layout)
-
-    def gradient_for(rank: int, out: torch.Tensor) -> torch.Tensor:
-        torch.randn(out.shape, generator=generator, out=out)
-        return out.mul_(scale).add_(gradient)
-
-    return gradient_for
 
 
 def converged_at(ratios: list[float], band: float, window: int, start: int = 0) -> int | None:

@@ -25,14 +25,11 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from microsparse.comm.framing import FRAMINGS, Fixed
+from microsparse.comm.framing import FRAMINGS
 from microsparse.engine.plan import step_collectives
-from microsparse.layout import Layout
-from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ def collective_seconds(
 class StepShape:
     """The message sizes of one step of one sparsifier (what the simulator measures)."""
 
-    exchange: str  # the framing's label: "fixed", "padded", "union", "shared" or "dense"
+    exchange: str  # the framing's label: "fixed", "compact", "padded", "union", "shared" or "dense"
     numel: int  # d
     selected: float  # K, distinct positions averaged
     max_local_selected: float  # indices per rank's index message: max_r k_r, or the capacity
@@ -182,15 +179,15 @@ def scaled(shape: StepShape, numel: int) -> StepShape:
         shape.selected * factor,
         shape.max_local_selected * factor,
         shape.agreement_bytes,
-        plan * factor if plan and _plan_is_positions(shape) else plan,
+        plan * factor if plan and plan_is_positions(shape) else plan,
         shape.index_bytes,
         shape.value_bytes,
     )
 
 
-def _plan_is_positions(shape: StepShape) -> bool:
-    # A plan of exactly K indices (CLT-k's leader top-k) grows with d; others (DEFT's
-    # per-fragment table) depend on the layout only.
+def plan_is_positions(shape: StepShape) -> bool:
+    """Whether the plan is a list of K indices (CLT-k's leader top-k), which grows with d;
+    others (DEFT's per-fragment table) depend on the layout only."""
     return math.isclose(shape.plan_bytes, shape.selected * shape.index_bytes, rel_tol=0.01)
 
 
@@ -204,113 +201,3 @@ def describe() -> dict[str, Any]:
         "all-gather ceil(log2 n) alpha + (n-1) m/beta",
         "step": "compute + overhead + sum of the reducer's collectives",
     }
-
-
-def validate_against_cluster(
-    results: dict[str, Any],
-    latency_us: float,
-    shapes: dict[tuple[str, int], StepShape] | None = None,
-    local_exchange_ms: Callable[[str, int, int], float | None] | None = None,
-) -> list[dict[str, Any]]:
-    """Compare the model with ``microsparse bench cluster``'s ``results.json``.
-
-    Format assumed (``microsparse_lab.bench.cluster``): ``configurations``, each with ``hosts``,
-    ``rate``, ``probe`` (``nominal_gbit_per_s``; achieved ``wire_gbit_per_s`` or
-    ``modelled_gbit_per_s``) and ``rows``, one per sparsifier, with ``parameters`` (d),
-    ``density`` (K/d), ``step_ms``, ``compute_ms``, ``select_ms``, ``exchange_ms``,
-    ``other_ms`` and (if present) ``wait_ms`` (medians over steps of the mean over workers).
-    The sparsifier ``none`` (no exchange) is skipped.
-
-    Each row's messages come from its measured density (K = density·d) and ``config.density``;
-    the padded index message and the fixed-size messages come from ``shapes[(sparsifier,
-    n)]`` (a simulator run) scaled to K when given, else from a balanced split (max_r k_r =
-    K/n) and, for CLT-k, a plan of K indices; a ``fixed`` message has the sparsifier's own
-    capacity. Predicted exchange = the α–β time of the reducer's collectives at
-    the nominal and at the probed link rate, and (with ``local_exchange_ms(name, d, n)``) the
-    probed one plus the CPU work the exchange phase does besides waiting on the network;
-    predicted step = the measured compute, wait, select and other times + the predicted
-    exchange.
-    """
-    from torch import Size
-
-    known = set(available_sparsifiers())
-    density = results.get("config", {}).get("density", 0.001)
-    rows = []
-    for configuration in results.get("configurations", []):
-        n, probe = configuration["hosts"], configuration.get("probe", {})
-        rates = {"nominal": probe.get("nominal_gbit_per_s")}
-        rates["probed"] = probe.get("wire_gbit_per_s") or probe.get("modelled_gbit_per_s")
-        for row in configuration["rows"]:
-            name = row["sparsifier"]
-            if name not in known or row.get("density") is None:
-                continue
-            sparsifier = create_sparsifier(name, density)
-            numel = row["parameters"]
-            sparsifier.bind(Layout(("flat",), (Size([numel]),), (0,), numel), 0, n)
-            selected = row["density"] * numel
-            framing = sparsifier.framing()
-            shape = _measured_shape(name, framing.label, numel, selected, n, shapes)
-            if isinstance(framing, Fixed):
-                shape = replace(shape, max_local_selected=framing.capacity)
-            record = {
-                "hosts": n,
-                "rate": configuration["rate"],
-                "sparsifier": name,
-                "measured_step_ms": row["step_ms"],
-                "measured_exchange_ms": row["exchange_ms"],
-            }
-            local = sum(
-                row.get(f"{part}_ms", 0.0) for part in ("compute", "wait", "select", "other")
-            )
-            cpu = local_exchange_ms(name, numel, n) if local_exchange_ms else None
-            for label, gbit in rates.items():
-                if not gbit:
-                    continue
-                network = Network.of(gbit, latency_us)
-                exchange_ms = 1e3 * communication_seconds(shape, n, network)
-                predictions = {label: exchange_ms}
-                if label == "probed" and cpu is not None:
-                    record["local_exchange_ms"] = cpu
-                    predictions["probed_plus_local"] = exchange_ms + cpu
-                for key, value in predictions.items():
-                    record[f"predicted_exchange_ms_{key}"] = value
-                    record[f"predicted_step_ms_{key}"] = local + value
-                    record[f"step_ratio_{key}"] = (local + value) / row["step_ms"]
-            rows.append(record)
-    return rows
-
-
-def _measured_shape(
-    name: str,
-    exchange: str,
-    numel: int,
-    selected: float,
-    world_size: int,
-    shapes: dict[tuple[str, int], StepShape] | None,
-) -> StepShape:
-    simulated = _nearest(shapes or {}, name, world_size)
-    if simulated is not None and simulated.selected:
-        factor = selected / simulated.selected
-        plan = simulated.plan_bytes
-        return StepShape(
-            exchange,
-            numel,
-            selected,
-            simulated.max_local_selected * factor,
-            simulated.agreement_bytes,
-            plan * factor if plan and _plan_is_positions(simulated) else plan,
-            simulated.index_bytes,
-            simulated.value_bytes,
-        )
-    plan = selected * 4 if name == "cltk" else 0
-    return StepShape(exchange, numel, selected, selected / world_size, 0, plan)
-
-
-def _nearest(
-    shapes: dict[tuple[str, int], StepShape], name: str, world_size: int
-) -> StepShape | None:
-    sizes = [n for label, n in shapes if label == name]
-    if not sizes:
-        return None
-    best = min(sizes, key=lambda n: abs(math.log2(n) - math.log2(world_size)))
-    return shapes[(name, best)]

@@ -161,7 +161,8 @@ def _bare_rounds(stats: StepStats, reducer: GradientReducer) -> dict[str, Any]:
     width = torch.empty(0, dtype=dtype).element_size()
     (_, size), *_ = FRAMINGS[stats.exchange].collectives(stats.max_local_selected, width)
     message = torch.zeros(int(size) // width, dtype=dtype)
-    wire = reducer.value_dtype or reducer.sparsifier.framing().value_dtype or torch.float32
+    named = reducer.sparse_options.value_dtype
+    wire = named or reducer.sparsifier.framing().value_dtype or torch.float32
     values = torch.zeros(stats.selected, dtype=wire)
 
     def index_round() -> None:

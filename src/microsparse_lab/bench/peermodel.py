@@ -3,7 +3,8 @@
 
 :func:`local_seconds` times the compression's own work (the casts; torch's PowerSGD hook end
 to end), which the network model cannot know; :func:`predict_rows` adds it up for
-``simulate --predict``; :func:`validate_peers` holds the model against the test bed.
+``simulate --predict``; :mod:`~microsparse_lab.bench.validation` holds the model against the
+test bed.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from collections.abc import Sequence
 import torch
 
 from microsparse_lab.bench import costmodel
-from microsparse_lab.bench.cluster_worker import MODELS
 from microsparse_lab.bench.peertime import powersgd_seconds
-from microsparse_lab.methods.names import DDP_FLOOR, NO_EXCHANGE, PEERS, parse_method
+from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.methods.traffic import Shape, peer_bytes, peer_collectives
 from microsparse_lab.training.models import build_resnet18
 
 DEFAULT_PEERS = ("ddp", "fp16", "bf16", "powersgd", "powersgd(rank=4)")
 """The peers ``microsparse simulate --predict`` adds beside the sparsifiers."""
+
 
 def scaled_shapes(shapes: Sequence[Shape], numel: int) -> list[tuple[int, ...]]:
     """The same architecture made wider to ``numel`` entries in all: every matrix's rows and
@@ -134,71 +135,4 @@ def predict_rows(
                     "collectives": len(collectives),
                     "bytes_per_worker": sent,
                 })  # fmt: skip
-    return rows
-
-
-def validate_peers(results: dict[str, object], latency_us: float) -> list[dict[str, object]]:
-    """Compare the peers' model with ``microsparse bench cluster``'s ``results.json``.
-
-    The peers run inside DDP's backward, so the test bed cannot time their exchange apart
-    from compute. Model step = the step of DDP without an exchange (the ``none@ddp`` row; the
-    ``none`` row where the run has none) + the peer's local work (:func:`local_seconds`) +
-    its collectives at the probed rate (nothing hidden), and the overlapped bound = that
-    base − its compute + max(its compute + local, collectives), except with one bucket (ready
-    only when backward ends). The local work is timed on the threads each test-bed worker had
-    (cores // hosts, at least 1). It is CPU-bound and runs on every worker at once, so where
-    the test bed has more workers' threads than cores it is stretched by hosts · threads /
-    cores (``shared_cores``; 1 where the file does not say how many cores it had). Bytes: the
-    model's against the link counters.
-    """
-    config = results.get("config", {})
-    model = MODELS[config.get("model", "resnet18")](config.get("seed", 1))  # type: ignore[union-attr]
-    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-    local_ms: dict[tuple[str, int], float] = {}
-    cores = int(results.get("machine", {}).get("cores") or 0)  # type: ignore[union-attr]
-    rows: list[dict[str, object]] = []
-    for configuration in results.get("configurations", []):  # type: ignore[union-attr]
-        n, probe = configuration["hosts"], configuration.get("probe", {})
-        gbit = probe.get("wire_gbit_per_s") or probe.get("modelled_gbit_per_s")
-        named = {r["sparsifier"]: r for r in configuration["rows"]}
-        base = named.get(DDP_FLOOR) or named.get(NO_EXCHANGE)
-        if not gbit or base is None:
-            continue
-        network = costmodel.Network.of(gbit, latency_us)
-        threads = max(1, cores // n)  # what each test-bed worker had (1 if not recorded)
-        shared = max(1.0, n * threads / cores) if cores else 1.0
-        for row in configuration["rows"]:
-            name = row["sparsifier"]
-            try:
-                if parse_method(name).kind != "peer":
-                    continue
-            except ValueError:
-                continue
-            if (name, threads) not in local_ms:
-                local_ms[name, threads] = 1e3 * local_seconds(name, shapes, n, threads=threads)
-            local = local_ms[name, threads] * shared
-            comm_ms = 1e3 * sum(
-                costmodel.collective_seconds(kind, size, n, network)
-                for kind, size in peer_collectives(name, shapes, n)
-            )
-            serial = base["step_ms"] + local + comm_ms
-            hidden = base["step_ms"] - base["compute_ms"] + max(base["compute_ms"] + local, comm_ms)
-            if parse_method(name).one_bucket:
-                hidden = serial
-            rows.append({
-                "hosts": n,
-                "rate": configuration["rate"],
-                "sparsifier": name,
-                "measured_step_ms": row["step_ms"],
-                "base": base["sparsifier"],
-                "base_step_ms": base["step_ms"],
-                "shared_cores": shared,
-                "local_ms": local,
-                "communication_ms": comm_ms,
-                "predicted_step_ms": serial,
-                "overlapped_step_ms": hidden,
-                "step_ratio": serial / row["step_ms"],
-                "modelled_bytes": peer_bytes(name, shapes, n),
-                "wire_bytes": row.get("wire_bytes_per_step"),
-            })  # fmt: skip
     return rows

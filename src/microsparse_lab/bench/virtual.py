@@ -41,6 +41,7 @@ from microsparse.engine import DiscardOutput, SparseStep, StepReport
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
+from microsparse_lab.bench.settle import bisect_threshold, kth_magnitude
 from microsparse_lab.bench.timing import choose_clock
 
 GradientSource = Callable[[int, torch.Tensor], torch.Tensor]
@@ -172,22 +173,21 @@ class VirtualCluster:
             return False
         t, k = self.step_index, self.target
         if self.exchange in ("fixed", "padded"):
-            high = max(self.residual(r).abs().max().item() for r in range(self.world_size))
-            low = high * 1e-8
-            for _ in range(48):
-                middle = math.sqrt(low * high)
-                count = 0
+
+            def count(threshold: float) -> int:
+                selected = 0
                 for rank, engine in enumerate(self.engines):
-                    engine.sparsifier.settle(middle)
-                    count += engine.sparsifier.select(self.residual(rank), t).numel()
-                low, high = (middle, high) if count > k else (low, middle)
+                    engine.sparsifier.settle(threshold)
+                    selected += engine.sparsifier.select(self.residual(rank), t).numel()
+                return selected
+
+            high = max(self.residual(r).abs().max().item() for r in range(self.world_size))
+            _, high = bisect_threshold(count, k, high * 1e-8, high, rounds=48)
             for engine in self.engines:
                 engine.sparsifier.settle(high)
         else:
             for rank, engine in enumerate(self.engines):
-                magnitude = self.residual(rank).abs()
-                kth = magnitude.topk(min(k, magnitude.numel())).values[-1].item()
-                engine.sparsifier.settle(kth)
+                engine.sparsifier.settle(kth_magnitude(self.residual(rank), k))
         return True
 
 

@@ -13,14 +13,7 @@ import time
 from microsparse.sparsifiers import available_sparsifiers
 from microsparse_lab import arguments
 from microsparse_lab.bench import netns
-from microsparse_lab.bench.cluster import (
-    QUICK,
-    BenchConfig,
-    BenchError,
-    default_sparsifiers,
-    refusal,
-    run_benchmark,
-)
+from microsparse_lab.bench.cluster import QUICK, BenchConfig, BenchError, refusal, run_benchmark
 from microsparse_lab.bench.cluster_worker import MODELS
 from microsparse_lab.cli import (
     bench_accuracy,
@@ -45,98 +38,54 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def add_cluster(benchmarks: argparse._SubParsersAction) -> None:
     """``microsparse bench cluster``: hosts as network namespaces on shaped links."""
-    full = BenchConfig()
-    cluster = benchmarks.add_parser(
-        "cluster",
-        help="step time of every sparsifier on a real, bandwidth-limited cluster (needs root)",
-        description="Build 2 and 4 hosts as network namespaces on a bridge, every link shaped "
-        "with tc tbf (1 Gbit/s, 100 Mbit/s), run one gloo worker per host, and time training "
-        "steps (compute, select, exchange) with dense, every sparsifier, and `none` (the same "
-        "training without any exchange). Writes results.json, results.md and cluster.png to "
-        "--out. Needs root and iproute2; removes every namespace it made, also on Ctrl-C.",
+    cluster = arguments.command(benchmarks, "cluster", _cluster)
+    names = ", ".join(available_sparsifiers())
+    arguments.add_fields(
+        cluster,
+        BenchConfig(),
+        quick=QUICK,
+        hosts=dict(
+            type=bench_options.listing(bench_options.host_count),
+            help="host counts, comma-separated",
+        ),
+        **bench_options.shared("rates"),
+        sparsifiers=dict(
+            type=bench_options.methods,
+            help=f"methods: a sparsifier ({names}) for the loop API, NAME@ddp for the DDP hook "
+            "(NAME@ddp(buckets=one): with one DDP bucket; NAME@ddp(exchange=one): one exchange "
+            "after DDP's last bucket; NAME(density=D) selects at D instead of --density), or a "
+            "peer: ddp, fp16, bf16, powersgd(rank=R); none@ddp (DDP's own cost, no exchange) and "
+            "none (the no-exchange bound)",
+        ),
+        **bench_options.shared("density"),
+        steps=dict(type=arguments.positive_int, help="recorded steps per sparsifier"),
+        warmup=dict(type=arguments.non_negative_int, help="unrecorded steps before every round"),
+        rounds=dict(
+            type=arguments.positive_int,
+            help="passes over the sparsifiers, sharing --steps, so that a burst of load from "
+            "elsewhere hits them all",
+        ),
+        model=dict(
+            choices=sorted(MODELS),
+            help="resnet18: the CIFAR ResNet-18 (11,173,962 parameters); tiny: 1,514, for tests",
+        ),
+        batch_size=dict(
+            type=arguments.positive_int, help="random CIFAR-shaped images per worker and step"
+        ),
+        threshold_start=dict(
+            choices=("settled", "cold"),
+            help="settled: warm-up sets thresholds that adapt slowly from step to step (MiCRO's "
+            "paper rules, SAGE) to select the target count; cold: leave them at their start",
+        ),
+        timeout=dict(type=arguments.positive_float, help="seconds per (hosts, rate) configuration"),
     )
-    names = available_sparsifiers()
     add = cluster.add_argument
-    add(
-        "--hosts",
-        type=bench_options.listing(bench_options.host_count),
-        default=None,
-        help=f"host counts, comma-separated (default {_join(full.hosts)}; quick "
-        f"{_join(QUICK['hosts'])})",
-    )
-    add(
-        "--rates",
-        type=bench_options.listing(bench_options.link_rate),
-        default=None,
-        help=f"link rates, tc syntax (default {_join(full.rates)})",
-    )
-    add(
-        "--sparsifiers",
-        type=bench_options.methods,
-        default=None,
-        help=f"methods: a sparsifier ({', '.join(names)}) for the loop API, NAME@ddp for the "
-        "DDP hook (NAME@ddp(buckets=one): with one DDP bucket; NAME@ddp(exchange=one): one "
-        "exchange after DDP's last bucket; NAME(density=D) selects at D instead of "
-        "--density), or a peer: ddp, fp16, bf16, "
-        "powersgd(rank=R); none@ddp (DDP's own cost, no exchange) and none (the no-exchange "
-        f"bound) (default: {_join(default_sparsifiers())}; quick {_join(QUICK['sparsifiers'])})",
-    )
-    add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
-    add(
-        "--steps",
-        type=arguments.positive_int,
-        default=None,
-        help=f"recorded steps per sparsifier (default {full.steps}; quick {QUICK['steps']})",
-    )
-    add(
-        "--warmup",
-        type=_non_negative_int,
-        default=None,
-        help=f"unrecorded steps before every round (default {full.warmup}; quick "
-        f"{QUICK['warmup']})",
-    )
-    add(
-        "--rounds",
-        type=arguments.positive_int,
-        default=None,
-        help=f"passes over the sparsifiers, sharing --steps, so that a burst of load from "
-        f"elsewhere hits them all (default {full.rounds}; quick {QUICK['rounds']})",
-    )
-    add(
-        "--model",
-        choices=sorted(MODELS),
-        default=full.model,
-        help="resnet18: the CIFAR ResNet-18 (11,173,962 parameters); tiny: 1,514, for tests "
-        "(default: %(default)s)",
-    )
-    add(
-        "--batch-size",
-        type=arguments.positive_int,
-        default=full.batch_size,
-        help="random CIFAR-shaped images per worker and step (default: %(default)s)",
-    )
-    add(
-        "--threshold-start",
-        choices=("settled", "cold"),
-        default=full.threshold_start,
-        help="settled: warm-up sets thresholds that adapt slowly from step to step (MiCRO's "
-        "paper rules, SAGE) to select the target count; cold: leave them at their start "
-        "(default: %(default)s)",
-    )
-    add(
-        "--timeout",
-        type=arguments.positive_float,
-        default=full.timeout,
-        help="seconds per (hosts, rate) configuration (default: %(default)s)",
-    )
-    add("--quick", action="store_true", help="a small matrix: " + _describe_quick(QUICK))
     add("--out", default=None, help="output directory (default runs/bench-cluster-TIMESTAMP)")
     add(
         "--remove-stale",
         action="store_true",
         help="only remove namespaces left by a run that was killed with SIGKILL, and exit",
     )
-    cluster.set_defaults(run=_cluster, parser=cluster)
 
 
 BENCHMARKS = [
@@ -150,6 +99,13 @@ BENCHMARKS = [
 
 
 def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """step time of every sparsifier on a real, bandwidth-limited cluster (needs root)
+
+    Build 2 and 4 hosts as network namespaces on a bridge, every link shaped with tc tbf (1 Gbit/s,
+    100 Mbit/s), run one gloo worker per host, and time training steps (compute, select, exchange)
+    with dense, every sparsifier, and `none` (the same training without any exchange). Writes
+    results.json, results.md and cluster.png to --out. Needs root and iproute2; removes every
+    namespace it made, also on Ctrl-C."""
     problem = refusal()
     if problem:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
@@ -159,20 +115,8 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"removed {len(removed)} stale namespace(s){': ' if removed else ''}"
               f"{', '.join(removed)}")  # fmt: skip
         return 0
-    preset = QUICK if args.quick else {}
-    chosen = {
-        name: getattr(args, name) if getattr(args, name) is not None else preset.get(name)
-        for name in ("hosts", "rates", "sparsifiers", "steps", "warmup", "rounds")
-    }
-    config = BenchConfig(
-        **{name: value for name, value in chosen.items() if value is not None},
-        density=args.density,
-        model=args.model,
-        batch_size=args.batch_size,
-        threshold_start=args.threshold_start,
-        timeout=args.timeout,
-        out=args.out or f"runs/bench-cluster-{time.strftime('%Y%m%d-%H%M%S')}",
-    )
+    out = args.out or f"runs/bench-cluster-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = arguments.config_from(BenchConfig, args, QUICK, out=out)
     stale = netns.stale_namespaces()
     if stale:
         print(f"note: {len(stale)} namespace(s) left by a killed run; remove them with "
@@ -191,18 +135,3 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"{parser.prog}: interrupted; removed every namespace it made", file=sys.stderr)
         return 128 + signum
     return 0
-
-
-def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else arguments.positive_int(text)
-
-
-def _join(values: tuple) -> str:
-    return ",".join(map(str, values))
-
-
-def _describe_quick(quick: dict) -> str:
-    return (
-        f"hosts {_join(quick['hosts'])}, rates {_join(quick['rates'])}, sparsifiers "
-        f"{_join(quick['sparsifiers'])}, {quick['steps']} steps after {quick['warmup']} warm-up"
-    )

@@ -12,40 +12,34 @@ from microsparse_lab.bench.cluster import BenchError, refusal
 from microsparse_lab.cli import bench_options
 from microsparse_lab.reports import RunError
 
+OPTIONS = dict(
+    task=dict(),
+    hosts=dict(type=bench_options.host_count),
+    **bench_options.shared("rates"),
+    methods=dict(
+        type=bench_options.methods,
+        help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
+        "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density",
+    ),
+    **bench_options.shared("density"),
+    seed=dict(type=int),
+    target_fraction=dict(
+        type=arguments.positive_float,
+        help="target: this fraction of the dense run's final metric (lower is better: "
+        "2 - fraction of it)",
+    ),
+    timeout=dict(type=arguments.positive_float, help="seconds one training may take"),
+)
+"""The options of AccuracyConfig's fields, in the order ``--help`` lists them."""
+
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     """Add ``microsparse bench accuracy``."""
-    full = accuracy.AccuracyConfig()
-    parser = benchmarks.add_parser(
-        "accuracy",
-        help="time to accuracy on the namespace test bed: real training per method and link "
-        "rate (needs root)",
-        description="For every link rate, build the namespace test bed (as bench cluster) and "
-        "run microsparse train once per method, one rank per host, into OUT/RATE/METHOD; "
-        "then report per rate the metric against epochs and wall time and, per method, the "
-        "epochs, seconds, steps and MB per worker to the target (a fraction of the dense "
-        "run's final metric, fixed here in advance). Options after -- go to every "
-        "microsparse train (e.g. -- --epochs 10).",
-    )
+    parser = arguments.command(benchmarks, "accuracy", _run)
+    arguments.add_fields(parser, accuracy.AccuracyConfig(), **OPTIONS)
     add = parser.add_argument
-    add("--task", default=full.task, help="(default: %(default)s)")
-    add("--hosts", type=bench_options.host_count, default=full.hosts, help="(default: %(default)s)")
-    add("--rates", type=bench_options.listing(bench_options.link_rate), default=full.rates,
-        help=f"link rates, tc syntax (default {','.join(full.rates)})")  # fmt: skip
-    add("--methods", type=bench_options.methods, default=full.methods,
-        help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), ddp, fp16, "
-        "bf16, powersgd(rank=R); NAME(density=D) trains at D instead of --density "
-        f"(default {','.join(full.methods)})")  # fmt: skip
-    add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
-    add("--seed", type=int, default=full.seed, help="(default: %(default)s)")
-    add("--target-fraction", type=arguments.positive_float, default=full.target_fraction,
-        help="target: this fraction of the dense run's final metric (lower is better: "
-        "2 - fraction of it) (default: %(default)s)")  # fmt: skip
-    add("--timeout", type=arguments.positive_float, default=full.timeout,
-        help="seconds one training may take (default: %(default)s)")  # fmt: skip
     add("--out", default=None, help="output directory (default runs/bench-accuracy-TIMESTAMP)")
     add("train_args", nargs="*", metavar="-- TRAIN_OPTION", help="passed to every training")
-    parser.set_defaults(run=_run, parser=parser)
 
 
 OWNED = (
@@ -57,18 +51,25 @@ OWNED = (
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """time to accuracy on the namespace test bed: real training per method and link rate (needs
+    root)
+
+    For every link rate, build the namespace test bed (as bench cluster) and run microsparse train
+    once per method, one rank per host, into OUT/RATE/METHOD; then report per rate the metric
+    against epochs and wall time and, per method, the epochs, seconds, steps and MB per worker to
+    the target (a fraction of the dense run's final metric, fixed here in advance). Options after --
+    go to every microsparse train (e.g. -- --epochs 10)."""
     given = [arg.split("=")[0] for arg in args.train_args if arg.startswith("--")]
     clash = sorted({o for arg in given for o in OWNED if len(arg) > 3 and o.startswith(arg)})
     if clash:
         parser.error(f"{', '.join(clash)} after --: set by bench accuracy itself (use its own "
                      "options)")  # fmt: skip
     try:  # checked before anything is built, and before the refusal of non-root
-        config = accuracy.AccuracyConfig(
-            task=args.task, hosts=args.hosts, rates=args.rates, methods=args.methods,
-            density=args.density, seed=args.seed, target_fraction=args.target_fraction,
-            train_args=tuple(args.train_args), timeout=args.timeout,
-            out=args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}",
-        )  # fmt: skip
+        out = args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}"
+        train_args = tuple(args.train_args)
+        config = arguments.config_from(
+            accuracy.AccuracyConfig, args, train_args=train_args, out=out
+        )
     except ValueError as error:
         field, _, problem = str(error).partition(": ")
         parser.error(f"argument --{field.replace('_', '-')}: {problem}")

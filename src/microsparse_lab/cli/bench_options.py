@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -82,27 +83,34 @@ def link_rate(text: str) -> str:
     return text.strip().lower()
 
 
-def add_sparsifiers(parser: argparse.ArgumentParser) -> None:
-    """``--sparsifiers``: the variants to run, each a label or ``name(key=value,...)``."""
-    parser.add_argument(
-        "--sparsifiers",
+SHARED: dict[str, dict[str, Any]] = {
+    "density": dict(type=arguments.density),
+    "sizes": dict(type=positive_ints, help="vector lengths d, comma-separated"),
+    "partitions": dict(type=positive_ints, help="worker counts n"),
+    "rates": dict(type=listing(link_rate), help="link rates, tc syntax"),
+    "only": dict(
+        flag="--sparsifiers",
+        metavar="SPARSIFIERS",
         type=names,
         default=None,
         help="labels, or name(key=value,...) for options, e.g. "
         "'micro,micro(selection=threshold)' (default: all)",
-    )
+    ),
+}
+"""The options of config fields that several benchmarks share (for ``add_fields``)."""
 
 
-def add_from(parser: argparse.ArgumentParser, name: str, what: str) -> None:
-    """``--from FILE``: ``what`` from an earlier ``NAME.json`` instead of measuring again
-    (:func:`measure_or_load` reads it)."""
-    help = f"{what} from an earlier {name}.json instead of measuring"
-    parser.add_argument("--from", dest="from_file", metavar="FILE", default=None, help=help)
+def shared(*fields: str) -> dict[str, dict[str, Any]]:
+    """The :data:`SHARED` options of ``fields``, to pass on as ``add_fields(**shared(...))``."""
+    return {name: SHARED[name] for name in fields}
 
 
-def add_common(parser: argparse.ArgumentParser, name: str) -> None:
-    """``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
+def add_common(parser: argparse.ArgumentParser, name: str, redo: str) -> None:
+    """``--from FILE`` (to ``redo`` from an earlier ``NAME.json`` instead of measuring again:
+    :func:`run` reads it), ``--out``, ``--threads``, ``--no-plots``, ``--quiet``."""
     add = parser.add_argument
+    add("--from", dest="from_file", metavar="FILE", default=None,
+        help=f"{redo} from an earlier {name}.json instead of measuring")  # fmt: skip
     add("--out", default=None, help=f"output directory (default runs/bench/{name}-TIMESTAMP)")
     add(
         "--threads",
@@ -140,18 +148,24 @@ def finish(
     return 0
 
 
-def measure_or_load(
+def run(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
-    measure: Callable[[], dict[str, Any]],
+    bench: ModuleType,
+    config: Any,
     errors: tuple[type[BaseException], ...] = (ValueError, OSError),
-) -> dict[str, Any] | None:
-    """The result in ``--from FILE`` if given, else ``measure()``; ``None`` (the error printed
-    in one line) if either fails with one of ``errors``."""
+) -> int:
+    """Measure ``config`` with the benchmark module ``bench`` (``bench.run``), or load the
+    result of ``--from FILE``; write it into ``--out`` (``bench.write``), print its table
+    (``bench.markdown``) and where everything went. 2 (the error printed in one line) where
+    measuring or loading fails with one of ``errors``."""
+    out = prepare(args, bench.__name__.rpartition(".")[2])
     try:
         if args.from_file:
-            return json.loads(Path(args.from_file).read_text())
-        return measure()
+            result = json.loads(Path(args.from_file).read_text())
+        else:
+            result = bench.run(config, progress=not args.quiet)
     except errors as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return None
+        return 2
+    return finish(bench.write, bench.markdown, result, out, args)

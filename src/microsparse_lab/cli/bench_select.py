@@ -13,78 +13,44 @@ from microsparse_lab.cli import bench_options
 QUICK = {"sizes": (1_000_000,), "partitions": (1, 16, 256), "repeats": 5}
 
 
-def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    """Add ``microsparse bench select``."""
-    full = select.SelectConfig()
-    parser = benchmarks.add_parser(
-        "select",
-        help="per-step cost of every sparsifier's selection and overhead vs top-k and one pass",
-        description="Time every sparsifier's selection and its whole per-step overhead "
-        "(GradientReducer.synchronize() with the network taken out) on rank 0 of n, for each "
-        "vector length d and worker count n, against torch.topk over the whole vector and one "
-        "memory pass over d floats. Medians over repetitions. Writes select.json, select.md, "
-        "select_vs_n.png and overhead_vs_n.png to --out.",
-    )
-    add = parser.add_argument
-    add(
-        "--sizes",
-        type=bench_options.positive_ints,
-        default=None,
-        help="vector lengths d, comma-separated (default "
-        f"{','.join(map(str, full.sizes))}; quick {QUICK['sizes'][0]})",
-    )
-    add(
-        "--partitions",
-        type=bench_options.positive_ints,
-        default=None,
-        help="worker counts n (default "
-        f"{','.join(map(str, full.partitions))}; quick {','.join(map(str, QUICK['partitions']))})",
-    )
-    add("--density", type=arguments.density, default=full.density, help="(default: %(default)s)")
-    add(
-        "--repeats",
+OPTIONS = dict(
+    **bench_options.shared("sizes", "partitions", "density"),
+    repeats=dict(
         type=arguments.positive_int,
         default=None,
-        help="timed calls per measurement (default: 15 up to 2 M entries, 7 up to 20 M, then 3)",
-    )
-    add(
-        "--budget",
+        help="timed calls per measurement (default: 15 up to 2 M entries, 7 up to 20 M, "
+        f"then 3; quick: {QUICK['repeats']})",
+    ),
+    budget=dict(
         type=arguments.positive_float,
-        default=full.budget,
-        help="seconds per measurement: slow ones repeat less, at least 3 times "
-        "(default: %(default)s)",
-    )
-    add(
-        "--devices",
+        help="seconds per measurement: slow ones repeat less, at least 3 times",
+    ),
+    devices=dict(
         type=bench_options.names,
         default=None,
         help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)",
-    )
-    bench_options.add_sparsifiers(parser)
-    bench_options.add_from(parser, "select", "rewrite the table and plots")
-    add("--quick", action="store_true", help="d = 1 M, n = 1, 16, 256, 5 repeats")
-    bench_options.add_common(parser, "select")
-    parser.set_defaults(run=_run, parser=parser)
+    ),
+    **bench_options.shared("only"),
+)
+"""The options of SelectConfig's fields, in the order ``--help`` lists them."""
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    out = bench_options.prepare(args, "select")
-    preset = QUICK if args.quick else {}
+    """per-step cost of every sparsifier's selection and overhead vs top-k and one pass
+
+    Time every sparsifier's selection and its whole per-step overhead (GradientReducer.synchronize()
+    with the network taken out) on rank 0 of n, for each vector length d and worker count n, against
+    torch.topk over the whole vector and one memory pass over d floats. Medians over repetitions.
+    Writes select.json, select.md, select_vs_n.png and overhead_vs_n.png to --out."""
     devices = args.devices or (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
     if "cuda" in devices and not torch.cuda.is_available():
         parser.error("argument --devices: cuda is not available here")
-    config = select.SelectConfig(
-        sizes=args.sizes or preset.get("sizes", select.DEFAULT_SIZES),
-        partitions=args.partitions or preset.get("partitions", select.DEFAULT_PARTITIONS),
-        density=args.density,
-        repeats=args.repeats or preset.get("repeats"),
-        budget=args.budget,
-        devices=tuple(devices),
-        only=args.sparsifiers,
-    )
-    result = bench_options.measure_or_load(
-        args, parser, lambda: select.run(config, progress=not args.quiet)
-    )
-    if result is None:
-        return 2
-    return bench_options.finish(select.write, select.markdown, result, out, args)
+    config = arguments.config_from(select.SelectConfig, args, QUICK, devices=tuple(devices))
+    return bench_options.run(args, parser, select, config)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    """Add ``microsparse bench select``."""
+    parser = arguments.command(benchmarks, "select", _run)
+    arguments.add_fields(parser, select.SelectConfig(), quick=QUICK, **OPTIONS)
+    bench_options.add_common(parser, "select", "rewrite the table and plots")

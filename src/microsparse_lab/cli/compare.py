@@ -18,7 +18,7 @@ from pathlib import Path
 from microsparse.sparsifiers import available_sparsifiers
 from microsparse_lab import arguments
 from microsparse_lab.cli import train as train_command
-from microsparse_lab.cli.report import fail, write
+from microsparse_lab.cli.report import add_target, fail, write
 from microsparse_lab.reports import RunError, load_runs
 
 PAPER_SPARSIFIERS = ("dense", "topk", "cltk", "hard_threshold", "sage", "deft", "micro")
@@ -37,14 +37,7 @@ _COMPARE_SETS = {
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``microsparse compare`` to the command parsers."""
-    compare = commands.add_parser(
-        "compare",
-        help="train once per sparsifier (same task and seed), then tabulate and plot",
-        description="Run `microsparse train` once per sparsifier with the same task, seed, "
-        "workers and density, each into OUT/SPARSIFIER, then write OUT/results.md, "
-        "OUT/results.csv and PNG plots (as `microsparse report OUT` does). Options after `--` "
-        "are passed to every `microsparse train`, e.g. `-- --epochs 2 --max-steps 50`.",
-    )
+    compare = arguments.command(commands, "compare", _compare)
     add = compare.add_argument
     add(
         "--task",
@@ -60,13 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--density", type=arguments.density, default=0.001, help="(default: %(default)s)")
     add("--seed", type=int, default=1, help="(default: %(default)s)")
     add("--out", default=None, help="output directory (default runs/compare-TASK-TIMESTAMP)")
-    add(
-        "--target",
-        type=arguments.number,
-        default=None,
-        help="metric value for 'time to target' (default: 95%% of the dense run's final "
-        "metric, 105%% when lower is better; without a dense run, of the best run's)",
-    )
+    add_target(compare)
     add(
         "--skip-done",
         action="store_true",
@@ -75,10 +62,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add("--progress", action="store_true", help="show each run's progress bar")
     add("--no-plots", action="store_true", help="only the table")
     add("train_args", nargs="*", metavar="-- TRAIN_OPTION", help="passed to every run")
-    compare.set_defaults(run=_compare, parser=compare)
 
 
 def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """train once per sparsifier (same task and seed), then tabulate and plot
+
+    Run `microsparse train` once per sparsifier with the same task, seed, workers and density, each
+    into OUT/SPARSIFIER, then write OUT/results.md, OUT/results.csv and PNG plots (as `microsparse
+    report OUT` does). Options after `--` are passed to every `microsparse train`, e.g. `-- --epochs
+    2 --max-steps 50`."""
     sparsifiers = _parse_sparsifiers(args.sparsifiers)
     if isinstance(sparsifiers, str):
         return fail(parser, f"argument --sparsifiers: {sparsifiers}")

@@ -22,14 +22,7 @@ from microsparse_lab.reports import (
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Add ``microsparse report`` to the command parsers."""
-    report = commands.add_parser(
-        "report",
-        help="results table and plots from saved run directories",
-        description="Read the metrics.jsonl, epochs.jsonl and summary.json of each RUN_DIR "
-        "(or of each subdirectory that has them, e.g. a `microsparse compare` output) and "
-        "write results.md, results.csv and PNG plots. The quality metric and whether higher "
-        "is better are read from the runs.",
-    )
+    report = arguments.command(commands, "report", _report)
     add = report.add_argument
     add("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, or their parents")
     add(
@@ -37,13 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="where to write the table and plots (default: RUN_DIR when only one is given)",
     )
-    add(
-        "--target",
-        type=arguments.number,
-        default=None,
-        help="metric value for 'time to target' (default: 95%% of the dense run's final "
-        "metric, 105%% when lower is better; without a dense run, of the best run's)",
-    )
+    add_target(report)
     add("--no-plots", action="store_true", help="only the table")
     add(
         "--seeds",
@@ -84,7 +71,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="also write TensorBoard event files, one subdirectory per run (needs tensorboard)",
     )
-    report.set_defaults(run=_report, parser=report)
+
+
+def add_target(parser: argparse.ArgumentParser) -> None:
+    """``--target``, of the table of ``report`` and of ``compare``."""
+    parser.add_argument(
+        "--target",
+        type=arguments.number,
+        default=None,
+        help="metric value for 'time to target' (default: 95%% of the dense run's final "
+        "metric, 105%% when lower is better; without a dense run, of the best run's)",
+    )
 
 
 def _epochs(text: str) -> tuple[int, ...]:
@@ -92,6 +89,11 @@ def _epochs(text: str) -> tuple[int, ...]:
 
 
 def _report(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """results table and plots from saved run directories
+
+    Read the metrics.jsonl, epochs.jsonl and summary.json of each RUN_DIR (or of each subdirectory
+    that has them, e.g. a `microsparse compare` output) and write results.md, results.csv and PNG
+    plots. The quality metric and whether higher is better are read from the runs."""
     if args.seeds:
         return _report_seeds(args, parser)
     if args.metric is not None:

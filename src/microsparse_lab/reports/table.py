@@ -110,32 +110,22 @@ def results_table(
     rows = [_row(run, metric, chosen) for run in runs]
     name = metric.name
     better = "higher" if metric.higher_is_better else "lower"
-    columns = [
-        ("run", "run", "s"),
-        ("workers", "n", "d"),
-        ("parameters", "d", "d"),
-        ("target_density", "δ", ".3g"),
-        ("steps", "steps", "d"),
+    columns = [  # a line per kind: the run, its quality, to the target, selection, traffic, time
+        ("run", "run", "s"), ("workers", "n", "d"), ("parameters", "d", "d"),
+        ("target_density", "δ", ".3g"), ("steps", "steps", "d"),
         ("final_metric", f"final {name} ({better} is better)", ".4g"),
         ("best_metric", f"best {name}", ".4g"),
-        ("epochs_to_target", "epochs to target", "d"),
-        ("seconds_to_target", "s to target", ".1f"),
+        ("epochs_to_target", "epochs to target", "d"), ("seconds_to_target", "s to target", ".1f"),
         ("steps_to_target", "steps to target", "d"),
         ("bytes_to_target", "MB/worker to target", "mb"),
-        ("mean_density", "mean density", ".3g"),
-        ("ratio_error", r"mean \|K/k−1\|", ".3f"),
+        ("mean_density", "mean density", ".3g"), ("ratio_error", r"mean \|K/k−1\|", ".3f"),
         ("ratio_error_second_half", r"\|K/k−1\|, 2nd half", ".3f"),
-        ("build_up", "build-up K/k", ".2f"),
-        ("padding_overhead", "index padding", ".2f"),
-        ("bytes_per_step", "KB/worker/step", "kb"),
-        ("traffic_percent", "% of dense", ".2f"),
-        ("compute_ms", "compute ms", ".1f"),
-        ("select_ms", "select ms", ".1f"),
-        ("exchange_ms", "exchange ms", ".1f"),
-        ("other_ms", "other ms", ".1f"),
-        ("step_ms", "step ms", ".1f"),
-        ("wall_seconds", "wall s", ".0f"),
-    ]
+        ("build_up", "build-up K/k", ".2f"), ("padding_overhead", "index padding", ".2f"),
+        ("bytes_per_step", "KB/worker/step", "kb"), ("traffic_percent", "% of dense", ".2f"),
+        ("compute_ms", "compute ms", ".1f"), ("select_ms", "select ms", ".1f"),
+        ("exchange_ms", "exchange ms", ".1f"), ("other_ms", "other ms", ".1f"),
+        ("step_ms", "step ms", ".1f"), ("wall_seconds", "wall s", ".0f"),
+    ]  # fmt: skip
     return Table(metric, chosen, rows, columns)
 
 

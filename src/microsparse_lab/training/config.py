@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from microsparse.sparsifiers import available_sparsifiers
+from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS
+from microsparse.sparsifiers.partition import PARTITIONINGS
+from microsparse.sparsifiers.threshold import THRESHOLD_RULES
+from microsparse_lab import arguments
+from microsparse_lab.arguments import option
 from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.training.tasks import Recipe, Task, available_tasks, get_task
 
@@ -29,61 +37,199 @@ class ConfigError(ValueError):
         self.field, self.message = field_name, message
 
 
+def _assignments(flag: str, help: Callable[[], str]) -> Any:
+    """A field of named options, given on the command line as ``flag NAME=VALUE``, repeated."""
+    return option(
+        factory=dict,
+        flag=flag,
+        action="append",
+        type=arguments.assignment,
+        metavar="NAME=VALUE",
+        help=help,
+    )
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run, as the ``microsparse train`` options describe it.
+    """One training run, as the ``microsparse train`` options describe it: each field
+    declares its option (:func:`~microsparse_lab.arguments.option`).
 
     Recipe fields left ``None`` take the task's default (:meth:`resolved`); see
     :class:`microsparse_lab.training.tasks.Recipe` for what each means.
     """
 
-    task: str = "mnist"
-    model: str | None = None  # None: the task's default model
-    data_dir: str | None = None  # None: the task's embedded data
-    model_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"units": 64}
-    task_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"bptt": 20}
-    sparsifier: str = "micro"
-    density: float = 0.001
-    threshold_rule: str | None = None  # None: the sparsifier's own default
-    selection: str | None = None  # MiCRO's "quota" or "threshold"; None: its own default
-    partitioning: str | None = None  # MiCRO's "interleaved" or "contiguous"; None: its own
-    index_message: str | None = None  # MiCRO's "fixed" or "padded"; None: its own default
-    value_dtype: str | None = None  # "float16" or "bfloat16": the sent values; None: float32
-    momentum_correction: bool = False  # the recipe's momentum moves into the error feedback
-    # Each worker's Adam step goes into the error feedback. None: on where it applies (an Adam
-    # recipe without weight decay or clipping, a sparsifier with error feedback), else off.
-    adam_correction: bool | None = None
-    density_warmup: tuple[float, float] | None = None  # (start density, epochs)
+    task: str = option("mnist", choices=available_tasks, help="(default: %(default)s)")
+    model: str | None = option(  # None: the task's default model
+        help=lambda: "a model of the task: " + _per_task(_models)
+    )
+    data_dir: str | None = option(help="real data (default: the task's embedded data)")
+    model_options: dict[str, Any] = _assignments(  # e.g. {"units": 64}
+        "--model-option",
+        lambda: (
+            "a model's option (repeatable; value parsed as JSON if it can be): "
+            + _per_task(_model_options)
+        ),
+    )
+    task_options: dict[str, Any] = _assignments(  # e.g. {"bptt": 20}
+        "--task-option",
+        lambda: "a task's option (repeatable): " + _per_task(lambda task: ", ".join(task.options)),
+    )
+    sparsifier: str = option(
+        "micro",
+        choices=available_sparsifiers,
+        help="how gradient entries are selected (default: %(default)s)",
+    )
+    density: float = option(
+        0.001,
+        type=arguments.density,
+        help="fraction of gradient entries sent per step, in (0, 1] (default: %(default)s)",
+    )
+    threshold_rule: str | None = option(  # None: the sparsifier's own default
+        choices=THRESHOLD_RULES,
+        help="MiCRO's shared threshold: quantile, or the paper's per-step corrections "
+        "(default: quantile)",
+    )
+    selection: str | None = option(  # None: MiCRO's own default
+        choices=SELECTIONS,
+        help="MiCRO's selection: quota (every rank sends k/n entries) or threshold (one "
+        "shared threshold) (default: quota, or threshold with --threshold-rule)",
+    )
+    partitioning: str | None = option(  # None: MiCRO's own default
+        choices=tuple(PARTITIONINGS),
+        help="MiCRO's partitions: interleaved blocks or the paper's contiguous ranges "
+        "(default: interleaved)",
+    )
+    index_message: str | None = option(  # None: MiCRO's own default
+        choices=INDEX_MESSAGES,
+        help="MiCRO's index message: fixed (carries its own count) or the paper's padded one "
+        "after a count round (default: fixed). The reference code is --threshold-rule as_coded "
+        "--partitioning contiguous --index-message padded",
+    )
+    value_dtype: str | None = option(  # None: float32
+        choices=VALUE_DTYPES,
+        help="send the selected values in 16 bits: 6 bytes an entry with its 4-byte index "
+        "instead of 8; what rounding takes stays in the residual (default: float32)",
+    )
+    momentum_correction: bool = option(
+        False,
+        action="store_true",
+        help="accumulate the recipe's momentum in the error feedback (Deep Gradient "
+        "Compression) instead of applying it in the optimiser to the sparse average",
+    )
+    # None: on where it applies (see _adam_correction_applies), else off.
+    adam_correction: bool | None = option(
+        action=argparse.BooleanOptionalAction,
+        help="with the recipe's Adam: each worker accumulates its own Adam step in the error "
+        "feedback, and plain SGD applies the sparse average (default: on for an Adam recipe "
+        "without weight decay or --clip and a sparsifier with error feedback, as the "
+        "recommendation task's)",
+    )
+    density_warmup: tuple[float, float] | None = option(  # (start density, epochs)
+        type=arguments.density_warmup,
+        metavar="START,EPOCHS",
+        help="start at density START and decay exponentially to --density over EPOCHS "
+        "epochs (the extra traffic counts in the run's mean density)",
+    )
     # The recipe (None: the task's).
-    epochs: int | None = None
-    batch_size: int | None = None  # per worker
-    optimizer: str | None = None
-    lr: float | None = None
-    lr_reference_batch: int | None = None
-    momentum: float | None = None
-    nesterov: bool | None = None
-    weight_decay: float | None = None
-    warmup_epochs: float | None = None
-    decay_epochs: tuple[int, ...] | None = None
-    decay_factor: float | None = None
-    clip: float | None = None
-    betas: tuple[float, float] | None = None
+    epochs: int | None = option(type=arguments.positive_int)
+    batch_size: int | None = option(type=arguments.positive_int, help="per worker")
+    optimizer: str | None = option(choices=("sgd", "adam"))
+    lr: float | None = option(type=arguments.positive_float, help="base learning rate")
+    lr_reference_batch: int | None = option(
+        type=arguments.non_negative_int,
+        help="the lr is scaled by batch size x workers / this (0: not scaled)",
+    )
+    momentum: float | None = option(type=arguments.momentum, help="SGD momentum, in [0, 1)")
+    nesterov: bool | None = option(action=argparse.BooleanOptionalAction)
+    weight_decay: float | None = option(
+        type=arguments.non_negative_float, help="not applied to batch-norm parameters"
+    )
+    warmup_epochs: float | None = option(
+        type=arguments.non_negative_float, help="linear warm-up from lr / workers"
+    )
+    decay_epochs: tuple[int, ...] | None = option(
+        type=arguments.whole_numbers, help="comma-separated epochs where lr decays"
+    )
+    decay_factor: float | None = option(type=arguments.positive_float)
+    clip: float | None = option(
+        type=arguments.non_negative_float, help="max norm of the averaged gradient (0: none)"
+    )
+    betas: tuple[float, float] | None = None  # a --config file's only
     # The run.
-    seed: int = 1  # model initialisation, data order, augmentation; the data split is fixed
-    out: str = "runs/train"
-    device: str = "cpu"  # "cpu" or "cuda" (one GPU per local rank)
-    max_steps: int | None = None  # stop after this many steps (in all), even mid-epoch
-    progress: bool = True  # tqdm bar on rank 0
-    integration: str = "loop"  # "loop": GradientReducer; "ddp": DistributedDataParallel + hook
-    ddp_hook: str = "microsparse"  # or a peer (methods.names): ddp, fp16, bf16, powersgd(...)
-    one_exchange: bool = False  # the hook's whole model as one slab, one exchange a step
-    min_speedup: float | None = None  # the hook: stay sparse only if X times faster than dense
-    checkpoint_every: int = 0  # steps between checkpoints in OUT/checkpoint; 0: none
+    seed: int = option(
+        1,
+        type=int,
+        help="model initialisation, data order and augmentation; the data split is fixed "
+        "(default: %(default)s)",
+    )
+    out: str = option(
+        "runs/train", help="output directory (default runs/TASK-SPARSIFIER-TIMESTAMP)"
+    )
+    device: str = option(  # "cpu" or "cuda" (one GPU per local rank)
+        "cpu",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto picks cuda when available; cuda runs one worker per GPU with NCCL, "
+        "cpu uses gloo (default: auto)",
+    )
+    max_steps: int | None = option(  # even mid-epoch
+        type=arguments.positive_int, help="stop after this many steps in all"
+    )
+    progress: bool = option(  # tqdm bar on rank 0
+        True, flag="--no-progress", action="store_false", help="no progress bar"
+    )
+    integration: str = option(
+        "loop",
+        choices=("loop", "ddp"),
+        help="loop: GradientReducer.synchronize() after backward; ddp: DistributedDataParallel "
+        "with the sparse comm hook (the same step, overlapped with backward) "
+        "(default: %(default)s)",
+    )
+    ddp_hook: str = option(  # or a peer (methods.names)
+        "microsparse",
+        metavar="HOOK",
+        help="with --integration ddp: microsparse (the sparse hook, --sparsifier), or what "
+        "users would pick instead, for comparison: ddp (stock DDP), fp16, bf16 (torch's "
+        "compression hooks), powersgd(rank=R,start=S) (torch's powerSGD_hook with one bucket "
+        "holding the whole model, plain all-reduce for S steps (default 2), then compressed); "
+        "--sparsifier and --density are then unused (default: %(default)s)",
+    )
+    one_exchange: bool = option(
+        False,
+        action="store_true",
+        help="with --integration ddp: average the whole model in one exchange after its last "
+        "DDP bucket, instead of one exchange per bucket (fewer collective rounds, no overlap "
+        "with backward)",
+    )
+    min_speedup: float | None = option(
+        type=arguments.positive_float,
+        metavar="X",
+        help="with --integration ddp: time a few steps sparse and dense, then stay sparse only "
+        "if its step is at least X times faster, else average densely as DDP does (default: "
+        "always sparse)",
+    )
+    checkpoint_every: int = option(  # steps between checkpoints in OUT/checkpoint; 0: none
+        0,
+        type=arguments.steps_or_epoch,
+        metavar="N|epoch",
+        help="checkpoint into OUT/checkpoint every N steps, or after every epoch (and at the end)",
+    )
     checkpoint_per_epoch: bool = False  # also checkpoint after every epoch
     resume: bool = False  # continue from OUT/checkpoint
-    timeout: float | None = None  # seconds a collective may wait for a peer; None: torch's
-    capture_gradients: str | None = None  # directory for each rank's local gradient per step
-    capture_steps: int = 0  # capture steps 0 .. capture_steps - 1
+    timeout: float | None = option(  # None: torch's
+        type=arguments.positive_float,
+        metavar="SECONDS",
+        help="end the job when a peer has not joined a collective for this long (stopped, "
+        "hung or gone) (default: torch's, 30 minutes)",
+    )
+    capture_gradients: str | None = option(  # each rank's local gradient per step
+        metavar="DIR",
+        help="save every rank's local flat gradient of the first --capture-steps steps "
+        "(loop integration only)",
+    )
+    capture_steps: int = option(  # capture steps 0 .. capture_steps - 1
+        0, type=arguments.positive_int, help="(default: 1)"
+    )
 
     def sparsifier_options(self) -> dict[str, Any]:
         given = {
@@ -364,3 +510,22 @@ def _number(value: Any, low: float, high: float = math.inf, open_low: bool = Fal
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return math.isfinite(value) and (value > low if open_low else value >= low) and value < high
+
+
+def _per_task(describe: Callable[[Task], str]) -> str:
+    parts = [(name, describe(get_task(name))) for name in available_tasks()]
+    return "; ".join(f"{name}: {text}" for name, text in parts if text)
+
+
+def _models(task: Task) -> str:
+    return ", ".join(
+        f"{name} (default)" if name == task.default_model else name for name in task.models
+    )
+
+
+def _model_options(task: Task) -> str:
+    return ", ".join(
+        f"{model} {'/'.join(task.model_options(model))}"
+        for model in task.models
+        if task.model_options(model)
+    )

@@ -19,10 +19,10 @@ _REGISTRY: dict[str, Task] = {}
 
 
 def register_task(task: Task) -> Task:
-    """Make ``task`` available under ``task.name`` (``--task``)."""
-    if task.name in _REGISTRY:
+    """Make ``task`` available under ``task.name`` (``--task``); another task may not take a
+    name already taken."""
+    if _REGISTRY.setdefault(task.name, task) is not task:
         raise ValueError(f"a task named {task.name!r} is already registered")
-    _REGISTRY[task.name] = task
     return task
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,29 +16,11 @@ from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recip
 
 # The paper's CIFAR recipe (docs/METHOD.md, "The paper's recipes").
 PAPER_RECIPE = Recipe(
-    epochs=200,
-    batch_size=32,
-    optimizer="sgd",
-    lr=0.1,
-    lr_reference_batch=128,
-    momentum=0.9,
-    nesterov=True,
-    weight_decay=1e-4,
-    warmup_epochs=5,
-    decay_epochs=(150,),
-)
+    epochs=200, batch_size=32, optimizer="sgd", lr=0.1, lr_reference_batch=128, momentum=0.9,
+    nesterov=True, weight_decay=1e-4, warmup_epochs=5, decay_epochs=(150,),
+)  # fmt: skip
 # The same recipe, shortened for the 4,000-image embedded sample.
-MNIST_RECIPE = Recipe(
-    epochs=5,
-    batch_size=32,
-    optimizer="sgd",
-    lr=0.05,
-    lr_reference_batch=128,
-    momentum=0.9,
-    nesterov=True,
-    weight_decay=1e-4,
-    warmup_epochs=1,
-)
+MNIST_RECIPE = replace(PAPER_RECIPE, epochs=5, lr=0.05, warmup_epochs=1, decay_epochs=())
 
 
 def _small_cnn(data: ImageData, width: int = 16, hidden: int = 128) -> nn.Module:

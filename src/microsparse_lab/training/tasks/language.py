@@ -24,25 +24,13 @@ from microsparse_lab.training.tasks.base import Epoch, EpochSlice, Metric, Recip
 # The paper's WikiText-2 recipe (docs/METHOD.md, "The paper's recipes"): plain SGD, clipping
 # of the averaged gradient.
 PAPER_RECIPE = Recipe(
-    epochs=90,
-    batch_size=32,
-    optimizer="sgd",
-    lr=2.5,
-    lr_reference_batch=64,
-    warmup_epochs=5,
-    decay_epochs=(60, 80),
-    clip=0.4,
-)
+    epochs=90, batch_size=32, optimizer="sgd", lr=2.5, lr_reference_batch=64, warmup_epochs=5,
+    decay_epochs=(60, 80), clip=0.4,
+)  # fmt: skip
 EMBEDDED_TRAIN_TOKENS = 120_000
 # Shortened for the ~490 k-token embedded extract and the small default model.
-EMBEDDED_RECIPE = Recipe(
-    epochs=4,
-    batch_size=16,
-    optimizer="sgd",
-    lr=20.0,
-    lr_reference_batch=64,
-    warmup_epochs=0.5,
-    clip=0.4,
+EMBEDDED_RECIPE = replace(
+    PAPER_RECIPE, epochs=4, batch_size=16, lr=20.0, warmup_epochs=0.5, decay_epochs=()
 )
 
 

@@ -1,0 +1,189 @@
+"""The options of sparse averaging, checked in one place for every integration.
+
+The loop API (:class:`~microsparse.GradientReducer`), the DDP hook
+(:class:`~microsparse.ddp.SparseState`) and FSDP2 (:func:`microsparse.fsdp.sparsify`) take
+the same keywords. Each builds a :class:`SparseOptions` from them, which checks them together
+and names the option and the fix on an error. A run configured in one place builds one and
+hands it to whichever integration it uses::
+
+    options = microsparse.SparseOptions("micro", 0.001, value_dtype=torch.bfloat16)
+    reducer = microsparse.GradientReducer(model.parameters(), **options.kwargs())
+    state = microsparse.ddp.SparseState(**options.kwargs())
+
+At density 1 every sparsifier averages densely (one all-reduce, as DDP does), so the options
+that need a residual (momentum and Adam correction, a density warm-up) are refused there.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from microsparse.engine.step import NONFINITE, NonFinite
+from microsparse.feedback import check_adam, check_momentum
+from microsparse.sparsifiers import Sparsifier, create_sparsifier
+from microsparse.sparsifiers.base import validate_density
+from microsparse.sparsifiers.warmup import DensityWarmup
+
+VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class SparseOptions:
+    """What to send and how: the sparsifier, its density and options, and the corrections.
+
+    Built from the keywords every integration takes, checked on construction (normalised:
+    numbers as floats, ``density_warmup`` as a ``DensityWarmup``).
+    ``owner`` names the caller and its own keywords, so that a misspelt keyword is reported
+    with the closest spelling among everything the caller takes.
+
+    Example:
+        >>> options = SparseOptions("micro", 0.001, momentum_correction=0.9)
+        >>> options.kwargs()["momentum_correction"], options.averages_densely
+        (0.9, False)
+        >>> SparseOptions.from_dict(options.to_dict()) == options
+        True
+        >>> SparseOptions("micro", 1.0, momentum_correction=0.9)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: momentum_correction needs error feedback, but this state averages densely ...
+    """
+
+    sparsifier: str = "micro"
+    density: float = 0.001
+    value_dtype: torch.dtype | None = None
+    nonfinite: NonFinite = "skip"
+    momentum_correction: float = 0.0
+    momentum_nesterov: bool = False
+    adam_correction: tuple[float, float, float] | None = None
+    density_warmup: DensityWarmup | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The sparsifier's own options (e.g. MiCRO's ``selection``)."""
+    owner: InitVar[tuple[str, list[str]] | None] = None
+
+    DTYPES: ClassVar[dict[str, torch.dtype | None]] = {
+        str(dtype): dtype for dtype in VALUE_DTYPES
+    }
+
+    def __post_init__(self, owner: tuple[str, list[str]] | None) -> None:
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(
+                "value_dtype must be None, torch.float16 or torch.bfloat16; "
+                f"got {self.value_dtype!r}"
+            )
+        if self.nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
+        density = validate_density(self.density)
+        # the sparsifier's errors now, with the closest spelling of a misspelt keyword
+        create_sparsifier(self.sparsifier, density, owner=owner, **self.options)
+        momentum = check_momentum(self.momentum_correction)
+        adam = None if self.adam_correction is None else check_adam(self.adam_correction)
+        warmup = DensityWarmup.of(self.density_warmup)
+        self._set(density=density, momentum_correction=momentum, adam_correction=adam,
+                  momentum_nesterov=bool(self.momentum_nesterov), density_warmup=warmup,
+                  options=dict(self.options))  # fmt: skip
+        self._check_corrections()
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _check_corrections(self) -> None:
+        densely = self.averages_densely
+        if self.adam_correction is not None and self.momentum_correction:
+            raise ValueError(
+                "adam_correction keeps Adam's moments of unscaled gradients and replaces "
+                "momentum correction: use it without momentum_correction"
+            )
+        if self.adam_correction is not None and densely:
+            raise ValueError(
+                "adam_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave adam_correction unset and keep the optimiser's Adam"
+            )
+        if self.momentum_correction and densely:
+            raise ValueError(
+                "momentum_correction needs error feedback, but this state averages densely "
+                "(dense, or density 1): leave momentum_correction at 0 and keep the optimiser's "
+                "momentum"
+            )
+        if self.density_warmup is not None:
+            if densely:
+                raise ValueError(
+                    "density_warmup needs a sparsifier that selects, but this state averages "
+                    "densely (dense, or density 1): leave density_warmup unset"
+                )
+            self.density_warmup.check(self.density)
+
+    def check_scaler(self, grad_scaler: Any) -> None:
+        """Refuse a ``GradScaler`` beside Adam correction (its moments are of unscaled
+        gradients)."""
+        if grad_scaler is not None and self.adam_correction is not None:
+            raise ValueError(
+                "adam_correction keeps Adam's moments of unscaled gradients: it cannot follow "
+                "a grad_scaler's scale; train without the scaler (bf16 autocast needs none)"
+            )
+
+    @property
+    def averages_densely(self) -> bool:
+        """Density 1, or the ``dense`` sparsifier: plain averaging, one all-reduce."""
+        return self.density >= 1.0 or self.sparsifier == "dense"
+
+    @property
+    def momentum(self) -> tuple[float, bool]:
+        """Momentum correction as (m, Nesterov); m = 0: off."""
+        return self.momentum_correction, self.momentum_nesterov
+
+    def make_sparsifier(self) -> Sparsifier:
+        """A fresh, unbound sparsifier (``dense`` where these options average densely)."""
+        if self.averages_densely:
+            return create_sparsifier("dense", 1.0)
+        return create_sparsifier(self.sparsifier, self.density, **self.options)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keywords that build these options in any integration."""
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        return {**named, **self.options}
+
+    def corrections(self) -> dict[str, Any]:
+        """The corrections that are on, by name (absent when off, so older states load)."""
+        described: dict[str, Any] = {}
+        if self.momentum_correction:
+            described["momentum_correction"] = list(self.momentum)
+        if self.adam_correction is not None:
+            described["adam_correction"] = list(self.adam_correction)
+        if self.density_warmup is not None:
+            warmup = self.density_warmup
+            described["density_warmup"] = [warmup.start, warmup.steps]
+        return described
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only (JSON, checkpoints); :meth:`from_dict` reads it back."""
+        return {
+            "sparsifier": self.sparsifier,
+            "density": self.density,
+            "value_dtype": str(self.value_dtype),
+            "nonfinite": self.nonfinite,
+            **self.corrections(),
+            **self.options,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SparseOptions:
+        values = dict(values)
+        dtype = cls.DTYPES[values.pop("value_dtype", "None")]
+        momentum, nesterov = values.pop("momentum_correction", (0.0, False))
+        warmup = values.pop("density_warmup", None)
+        adam = values.pop("adam_correction", None)
+        named = {name: values.pop(name) for name in ("sparsifier", "density", "nonfinite")
+                 if name in values}  # fmt: skip
+        return cls(**named, value_dtype=dtype, momentum_correction=momentum,
+                   momentum_nesterov=nesterov, adam_correction=adam, options=values,
+                   density_warmup=None if warmup is None else tuple(warmup))  # fmt: skip
+
+    def fingerprint(self) -> int:
+        """A checksum of every option, equal on ranks whose options are equal."""
+        return zlib.crc32(repr(sorted(self.to_dict().items())).encode())
