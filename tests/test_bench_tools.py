@@ -18,6 +18,7 @@ from microsparse.reducer import GradientReducer
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
 from microsparse_lab.bench import costmodel, peermodel, simulate
 from microsparse_lab.bench.capture import CaptureError, load_capture
+from microsparse_lab.bench.overhead import OverheadConfig
 from microsparse_lab.bench.workload import RESNET18_NUMEL, model_layout
 from microsparse_lab.cli import bench, main
 from microsparse_lab.methods.names import variants
@@ -338,6 +339,35 @@ def test_overhead_times_both_drivers_and_the_loopback_ratio(tmp_path):
     assert rounds["index_round_wall_ms"] > 0 and rounds["value_round_wall_ms"] > 0
     text = (out / "overhead.md").read_text()
     assert "× all-reduce CPU" in text and "the index all-gather" in text
+
+
+def test_overhead_times_a_variant_of_micro(tmp_path):
+    out = tmp_path / "overhead"
+    code = main(["bench", "overhead", "--sizes", "300000", "--partitions", "4", "--repeats", "2",
+                 "--loopback-ranks", "2", "--quiet", "--out", str(out),
+                 "--variant", "micro(wire=compact)"])  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "overhead.json").read_text())
+    (row,) = result["rows"]
+    assert row["loop_passes"] > 0 and row["exchange_passes"] > 0
+    assert result["loopback"]["rows"][0]["sparsifier"] == "micro(wire=compact)"
+    assert "Loop, hook and loopback: micro(wire=compact)" in (out / "overhead.md").read_text()
+    with pytest.raises(ValueError, match="must be micro with options"):
+        OverheadConfig(variant="topk").options()
+
+
+def test_the_simulator_counts_the_compact_wire_at_its_own_sizes(tmp_path):
+    """16-bit positions and bfloat16 values: half the plain wire's bytes, as the step sends."""
+    code = main(["simulate", "--workers", "4", "--steps", "3", "--warmup", "1", "--numel",
+                 "100000", "--sparsifiers", "micro,micro(wire=compact)", "--no-plots",
+                 "--quiet", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    plain, compact = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert compact["exchange"] == "compact" and compact["shape"]["value_bytes"] == 2
+    assert compact["bytes_per_worker"] < 0.51 * plain["bytes_per_worker"]
+    shape = costmodel.StepShape(**compact["shape"])
+    index = costmodel.reducer_collectives(shape, 4)[1]
+    assert index == ("all_gather", 4 * -(-shape.max_local_selected // 2))
 
 
 def test_loopback_needs_a_warm_up_step_to_size_the_bare_rounds():

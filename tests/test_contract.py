@@ -1,8 +1,9 @@
 """The sparsifier contract, for every registered sparsifier, in both drivers, on real gloo ranks.
 
 The cases are drawn from ``available_sparsifiers()`` when the tests are collected: a sparsifier
-that is one new file plus its registry line is covered here with no edit. Each one runs with
-its default options, for a few steps of a small float64 model, in the loop API
+that is one new file plus its registry line is covered here with no edit; options that change
+how a step travels (MiCRO's compact wire) are cases of their own (``VARIANTS``). Each one runs
+with its default options, for a few steps of a small float64 model, in the loop API
 (``GradientReducer.synchronize``) and in the DDP comm hook (``SparseState`` + ``sparse_hook``
 over several buckets), and must keep the rules its base class states:
 
@@ -37,7 +38,9 @@ from microsparse.comm.framing import Fixed
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 
-NAMES = available_sparsifiers()
+VARIANTS = {"micro(wire=compact_positions)": ("micro", {"wire": "compact_positions"})}
+"""Sparsifiers with options that change how a step runs, held to the same contract."""
+NAMES = [*available_sparsifiers(), *VARIANTS]
 WORLD = 2
 DENSITY = 0.01  # k = 15 of d = 1,564 (the hook's slabs: at least 1 each)
 STEPS = 6
@@ -47,6 +50,16 @@ GLOBAL_FIELDS = ("step", "numel", "world_size", "selected", "target", "max_local
                  "proposed", "exchange", "skipped", "dense_bytes")  # fmt: skip
 """``StepStats`` fields documented as identical on every rank (the others are this rank's:
 ``local_*``, the partition, the threshold of a per-rank rule, the timings, the bytes sent)."""
+
+
+def registered(name: str) -> str:
+    """A case's sparsifier, as the registry names it."""
+    return VARIANTS.get(name, (name, {}))[0]
+
+
+def options_of(name: str) -> dict[str, Any]:
+    """A case's sparsifier options."""
+    return VARIANTS.get(name, (name, {}))[1]
 
 
 def make_model() -> nn.Module:
@@ -78,7 +91,7 @@ class SelectSpy:
     (a spawned one), and returns it unchanged: an observer of the real method, not a stand-in."""
 
     def __init__(self, name: str) -> None:
-        cls = type(create_sparsifier(name, DENSITY))
+        cls = type(create_sparsifier(registered(name), DENSITY))
         original = cls.select
         self.calls: list[tuple[Any, torch.Tensor]] = []
 
@@ -155,13 +168,13 @@ def proposals(calls: list[tuple[Any, torch.Tensor]]) -> list[dict]:
     return out
 
 
-def snapshot_problems(sparsifier: Any, live: dict, taken: Any) -> list[str]:
+def snapshot_problems(sparsifier: Any, live: dict, taken: Any, name: str) -> list[str]:
     """A state_dict saved steps ago must still be what it was (a snapshot, not live tensors),
     and a fresh sparsifier loaded from it must give it back."""
     problems = []
     if freeze(live) != taken:
         problems.append("state_dict() changed after later steps: it holds live state")
-    fresh = create_sparsifier(sparsifier.name, DENSITY)
+    fresh = create_sparsifier(sparsifier.name, DENSITY, **options_of(name))
     fresh.bind(sparsifier.layout, sparsifier.rank, sparsifier.world_size, sparsifier.target)
     fresh.load_state_dict(copy.deepcopy(live))
     if freeze(fresh.state_dict()) != taken:
@@ -177,7 +190,7 @@ def loop_worker(rank: int, n: int, name: str) -> dict:
     spy = SelectSpy(name)
     model = make_model()
     params = list(model.parameters())
-    reducer = GradientReducer(params, name, DENSITY)
+    reducer = GradientReducer(params, registered(name), DENSITY, **options_of(name))
     optimizer = torch.optim.SGD(params, lr=0.1)
     steps, saved, purity = [], None, framing_problems(reducer.sparsifier)
     for step in range(STEPS):
@@ -197,14 +210,14 @@ def loop_worker(rank: int, n: int, name: str) -> dict:
     state, weights, live, taken = saved
     resumed = resume_loop(rank, name, state, weights)
     return {"steps": steps, "resumed": resumed, "framing": purity,
-            "snapshot": snapshot_problems(reducer.sparsifier, live, taken)}  # fmt: skip
+            "snapshot": snapshot_problems(reducer.sparsifier, live, taken, name)}  # fmt: skip
 
 
 def resume_loop(rank: int, name: str, state: dict, weights: dict) -> list[dict]:
     model = make_model()
     model.load_state_dict(weights)
     params = list(model.parameters())
-    reducer = GradientReducer(params, name, DENSITY)
+    reducer = GradientReducer(params, registered(name), DENSITY, **options_of(name))
     reducer.load_state_dict(state)
     optimizer = torch.optim.SGD(params, lr=0.1)
     out = []
@@ -223,7 +236,7 @@ def ddp_worker(rank: int, n: int, name: str) -> dict:
     model = make_model()
     replica = copy.deepcopy(model)  # the same model outside DDP: this rank's own gradient
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    state = SparseState(name, DENSITY)
+    state = SparseState(registered(name), DENSITY, **options_of(name))
     ddp.register_comm_hook(state, sparse_hook)
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.1)
@@ -259,7 +272,7 @@ def resume_ddp(rank: int, name: str, state_dict: dict, weights: dict, spy: Selec
     model = make_model()
     model.load_state_dict(weights)
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    state = SparseState(name, DENSITY)
+    state = SparseState(registered(name), DENSITY, **options_of(name))
     state.load_state_dict(state_dict)  # before the first backward, as documented
     ddp.register_comm_hook(state, sparse_hook)
     params = list(model.parameters())
@@ -288,7 +301,7 @@ def one_exchange_against_the_loop(rank: int, name: str, spy: SelectSpy) -> dict:
     the vector can change, so dense is held to the same claim here."""
     hooked, plain = make_model(), make_model()
     ddp = DDP(hooked, bucket_cap_mb=BUCKET_MB)
-    state = SparseState(name, DENSITY, one_exchange=True)
+    state = SparseState(registered(name), DENSITY, one_exchange=True, **options_of(name))
     buckets: list[int] = []
 
     def counting_hook(state, bucket):  # unannotated: DDP checks annotations as objects
@@ -307,7 +320,9 @@ def one_exchange_against_the_loop(rank: int, name: str, spy: SelectSpy) -> dict:
             met = state._binding.slabs.order
             by_id = {id(p): q for p, q in zip(hooked.parameters(), plain.parameters())}
             pairs = [(p, by_id[id(p)]) for p in met]
-            reducer = GradientReducer([q for _, q in pairs], name, DENSITY)
+            reducer = GradientReducer(
+                [q for _, q in pairs], registered(name), DENSITY, **options_of(name)
+            )
         reducer.synchronize()
         spy.take()
         offset = 0

@@ -111,10 +111,14 @@ def stock_ddp_worker(rank: int, n: int) -> HostSyncs:
     return steady_syncs(training_step(DDP(model(), bucket_cap_mb=BUCKET_CAP_MB), rank))
 
 
-def reducer_worker(rank: int, n: int) -> HostSyncs:
+def reducer_worker(rank: int, n: int, **options: object) -> HostSyncs:
     net = model()
-    reducer = microsparse.GradientReducer(net.named_parameters(), "micro", DENSITY)
+    reducer = microsparse.GradientReducer(net.named_parameters(), "micro", DENSITY, **options)
     return steady_syncs(training_step(net, rank, reducer.synchronize))
+
+
+def compact_reducer_worker(rank: int, n: int) -> HostSyncs:
+    return reducer_worker(rank, n, wire="compact")
 
 
 def test_counts_syncs_on_the_calling_thread() -> None:
@@ -153,8 +157,15 @@ def test_micro_reducer_step_makes_no_sync(tmp_path) -> None:
         assert syncs.total == 0, syncs
 
 
-def test_micro_hook_step_makes_no_sync(tmp_path) -> None:
-    state = microsparse.ddp.MicroState(density=DENSITY)
+@pytest.mark.parametrize("options", [{}, {"wire": "compact"}], ids=["fixed", "compact"])
+def test_micro_hook_step_makes_no_sync(options, tmp_path) -> None:
+    state = microsparse.ddp.MicroState(density=DENSITY, **options)
     for syncs, buckets, _ in run_ranks(ddp_worker, 2, tmp_path, counted_micro_hook, state):
         assert buckets >= 3, buckets
+        assert syncs.total == 0, syncs
+
+
+def test_micro_compact_wire_step_makes_no_sync(tmp_path) -> None:
+    """16-bit offsets decoded at the quotas' known total: nothing read back either."""
+    for syncs in run_ranks(compact_reducer_worker, 2, tmp_path):
         assert syncs.total == 0, syncs

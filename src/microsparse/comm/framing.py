@@ -11,6 +11,11 @@ learn all positions, and back into one position list that is identical on every 
   sends its largest and keeps the rest in the residual. A density warm-up's extra slots
   follow in a second round. Where every rank's count is known before the exchange (MiCRO's
   quotas), the positions are decoded without reading anything back to the host.
+- :class:`Compact`: as ``Fixed`` with every count known, for positions that each lie in a
+  range of the rank's own that every rank knows (MiCRO's owned partition): offsets into it,
+  16 bits each after a 16-bit count per 65,536-entry chunk (``comm/chunks.py``); about half
+  the bytes of ``Fixed``'s int32 positions. The values then travel as bfloat16 unless the
+  user names another dtype.
 - :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
   step is checked.
 - :class:`Dense`: no indices; every entry is averaged.
@@ -24,13 +29,15 @@ rank in the same round (the engine's guard checks the step of every step anyway)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
+from microsparse.comm.chunks import ChunkCodec, chunk_span
 from microsparse.comm.collectives import Collective, Kind, check_steps, index_dtype
 from microsparse.errors import ConfigMismatchError
 
@@ -59,7 +66,8 @@ class Exchanged:
     local_selected: int
     """Positions this rank sent."""
     message_slots: int
-    """Indices per rank in the index message (the largest count, or the fixed capacity)."""
+    """Indices per rank in the index message (the largest count, or the fixed capacity; for
+    ``Compact``, the message's 16-bit words, chunk counts included)."""
     proposed: int
     """Σ_r of every rank's proposals, before deduplication or the capacity cut."""
     local_proposed: int
@@ -72,6 +80,10 @@ class Framing(ABC):
     name: ClassVar[str]
     header_slots: ClassVar[int] = 0
     """Index slots of the message that carry its header instead of positions."""
+    decodes_known_counts: ClassVar[bool] = False
+    """Given every rank's count before the exchange, it reads nothing back to the host."""
+    value_dtype: torch.dtype | None = None
+    """The values' wire dtype where the user names none (None: the gradient's own)."""
 
     @abstractmethod
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
@@ -195,6 +207,7 @@ class Fixed(Framing):
     name = "fixed"
     label = "fixed"
     header_slots = 3  # count, step, proposals
+    decodes_known_counts = True
     _COUNT, _STEP, _PROPOSED = 0, 1, 2
 
     def __init__(self, numel: int, capacity: int, base: int | None = None) -> None:
@@ -262,6 +275,84 @@ class Fixed(Framing):
         return [("all_gather", (cls.header_slots + slots) * index_bytes)]
 
 
+class OwnedRanges(Protocol):
+    """Where every rank's positions lie at a step: one range each of known size, whose
+    entries are numbered 0, 1, ... (a partition that may be strided in the flat vector)."""
+
+    largest: int
+    """Entries of the largest range."""
+
+    def offsets(self, step: int, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's flat positions at ``step`` as offsets into its range (int64)."""
+        ...
+
+    def positions(self, step: int, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The inverse for every rank at once: ``offsets`` holds ``counts[r]`` offsets into
+        rank r's range, rank after rank; their flat positions, in that order."""
+        ...
+
+
+class Compact(Framing):
+    """One all-gather of 16-bit offsets into each rank's own range, after a 16-bit count per
+    chunk of it (:class:`~microsparse.comm.chunks.ChunkCodec`), in int32 words.
+
+    Each rank's message has ``chunks + capacity`` 16-bit words (padded to even), where
+    ``chunks`` = ⌈largest range / span⌉: about 2 bytes per position instead of ``Fixed``'s 4,
+    plus 2 bytes per 65,536 entries of the range. ``message_slots`` counts those 16-bit words.
+    The size is fixed by the options alone, so ranks at different steps still meet in
+    equal-sized rounds; the step is checked by the engine's guard, before this round, as it is
+    for ``Fixed`` with known counts (which then writes no header either). Where the counts are
+    not known (DDP leaving out unused parameters), the chunk counts are read on the host.
+
+    Example:
+        >>> Compact.collectives(slots=103, index_bytes=4)   # 3 chunk counts + 100 offsets
+        [('all_gather', 208)]
+    """
+
+    name = "compact"
+    label = "compact"
+    decodes_known_counts = True
+
+    def __init__(
+        self, ranges: OwnedRanges, capacity: int, value_dtype: torch.dtype | None = torch.bfloat16
+    ) -> None:
+        self._ranges = ranges
+        self.capacity = capacity
+        self.span = chunk_span(capacity)
+        self.chunks = -(-ranges.largest // self.span)
+        self.value_dtype = value_dtype
+        self._codec = ChunkCodec(self.chunks, self.span, capacity)
+        self.slots = self._codec.halfwords
+        self._message: torch.Tensor | None = None
+
+    def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
+        local, step, ranges = proposal.local, proposal.step, self._ranges
+        if local.numel() > self.capacity:
+            raise ValueError(
+                f"{local.numel()} positions proposed, but a compact message holds {self.capacity}"
+            )
+        message = self._message
+        if message is None or message.device != local.device:
+            message = self._message = torch.zeros(self._codec.words, dtype=torch.int32,
+                                                  device=local.device)  # fmt: skip
+        if world_size == 1:  # the same round, but no other rank to read it: nothing to code
+            yield Collective("all_gather", message, "indices")
+            return Exchanged(local, local.numel(), self.slots, local.numel(), local.numel())
+        self._codec.encode(ranges.offsets(step, local), out=message)
+        rows = yield Collective("all_gather", message, "indices")
+        counts = proposal.counts if proposal.counts is not None else self._codec.counts(rows)
+        positions = ranges.positions(step, self._codec.decode(rows, counts), counts)
+        return Exchanged(positions, local.numel(), self.slots, sum(counts), local.numel())
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        """``slots``: the message's 16-bit words (chunk counts and offsets); ``index_bytes`` is
+        not read (2 bytes each, in 4-byte words)."""
+        return [("all_gather", 4 * math.ceil(slots / 2))]
+
+
 class Shared(Framing):
     """Every rank holds the same positions; a header round checks the step unless a plan did.
 
@@ -315,6 +406,7 @@ class Dense(Framing):
 
 
 FRAMINGS: dict[str, type[Framing]] = {
-    "padded": Padded, "union": Padded, "fixed": Fixed, "shared": Shared, "dense": Dense,
+    "padded": Padded, "union": Padded, "fixed": Fixed, "compact": Compact, "shared": Shared,
+    "dense": Dense,
 }  # fmt: skip
 """Framing classes by the label ``StepStats.exchange`` reports."""

@@ -169,7 +169,8 @@ class SparseStep:
         sparsifier: a registry sparsifier, already bound to the slab's layout.
         feedback: the slab's residual.
         value_dtype: send the selected values as this dtype (``torch.float16`` or
-            ``torch.bfloat16``); each rank's rounding error stays in its residual.
+            ``torch.bfloat16``); each rank's rounding error stays in its residual. None: the
+            framing's choice (``Compact``: bfloat16), else the gradient's dtype.
         schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
         nonfinite: ``"skip"``: a step with a NaN or Inf on any rank changes nothing and
             writes NaN; ``"raise"``: every rank raises ``NonFiniteGradientError`` instead
@@ -211,7 +212,8 @@ class SparseStep:
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
         self.feedback = feedback
-        self.value_dtype = value_dtype
+        # A framing may ask for narrower values (Compact: bfloat16) where the user names none.
+        self.value_dtype = value_dtype if value_dtype is not None else self.framing.value_dtype
         self.nonfinite = nonfinite
         self.rank = sparsifier.rank
         self.world_size = sparsifier.world_size
@@ -249,7 +251,7 @@ class SparseStep:
         skip = skipped = None
         # Only where every size is known before the data (quotas in a fixed message) does
         # the step run without reading anything back; elsewhere the guard is read first.
-        sync_free = counts is not None and not exclude and isinstance(self.framing, Fixed)
+        sync_free = counts is not None and not exclude and self.framing.decodes_known_counts
         if self._read_guard(sync_free):
             bad = self._checked(rows, step, fresh)
             if bad:  # every rank knows: nothing of this step is done anywhere

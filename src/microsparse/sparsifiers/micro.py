@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from microsparse.comm.framing import Fixed, Framing, Padded
+from microsparse.comm.framing import Compact, Fixed, Framing, Padded
 from microsparse.layout import Layout
 from microsparse.sparsifiers.base import Candidates, Sparsifier
 from microsparse.sparsifiers.largest import LargestFinder
@@ -24,8 +24,10 @@ from microsparse.stats import Pending
 Partitioning = Literal["interleaved", "contiguous"]
 IndexMessage = Literal["fixed", "padded"]
 Selection = Literal["quota", "threshold"]
+Wire = Literal["plain", "compact", "compact_positions"]
 SELECTIONS = ("quota", "threshold")
 INDEX_MESSAGES = ("fixed", "padded")
+WIRES = ("plain", "compact", "compact_positions")
 
 
 @register_sparsifier
@@ -68,6 +70,14 @@ class Micro(Sparsifier):
             largest count.
         capacity_factor: slack of the fixed message over an even share k / n (threshold
             selection).
+        wire: ``"plain"`` (default): the index message as ``index_message`` says, values as
+            the reducer's ``value_dtype`` (float32 unless it names one). ``"compact"``: each
+            position as its 16-bit offset inside the owned partition's 65,536-entry chunk,
+            after a 16-bit count per chunk (:class:`~microsparse.comm.framing.Compact`), and
+            the values in bfloat16 unless ``value_dtype`` names float16: about 4 bytes an
+            entry instead of 8, the rounding kept in the residual. ``"compact_positions"``:
+            the same positions, the values as ``value_dtype`` says. Both need
+            ``selection="quota"`` and ``index_message="fixed"``.
 
     ``selection="threshold", threshold_rule="as_coded", partitioning="contiguous",
     index_message="padded"`` reproduces the reference code.
@@ -91,6 +101,7 @@ class Micro(Sparsifier):
         partitioning: Partitioning = "interleaved",
         index_message: IndexMessage = "fixed",
         capacity_factor: float = 1.25,
+        wire: Wire = "plain",
     ) -> None:
         super().__init__(density)
         if selection is None:  # naming a threshold rule asks for a shared threshold
@@ -121,6 +132,8 @@ class Micro(Sparsifier):
             or not 1 <= capacity_factor < math.inf
         ):
             raise ValueError(f"capacity_factor must be a number >= 1, got {capacity_factor!r}")
+        _check_wire(wire, selection, index_message)
+        self.wire = wire
         self.selection = selection
         self.threshold_rule = threshold_rule
         self.partitioning = partitioning
@@ -145,6 +158,8 @@ class Micro(Sparsifier):
         self._candidates = Candidates()
         self._scratch: torch.Tensor | None = None
         self._magnitudes_of_step: int | None = None  # the step whose |a| the scratch holds
+        # select()'s last (positions, offsets into the partition): what a compact message sends
+        self._chosen: tuple[torch.Tensor, torch.Tensor] | None = None
         self._threshold = math.nan
 
     def retarget(self, target: int) -> None:
@@ -160,6 +175,9 @@ class Micro(Sparsifier):
         return math.ceil(self.capacity_factor * target / n) + 8
 
     def framing(self) -> Framing:
+        if self.wire != "plain":
+            values = torch.bfloat16 if self.wire == "compact" else None
+            return Compact(_Owned(self), self.capacity, values)
         if self.index_message == "fixed":  # a warm-up's larger k overflows the final message
             return Fixed(self.layout.numel, self.capacity, self._capacity(self.final_target))
         return Padded(self.layout.numel)
@@ -230,7 +248,9 @@ class Micro(Sparsifier):
                 return torch.empty(0, dtype=torch.long, device=accumulated.device)
             chosen = self._finder.largest(magnitude, quota)
             self._threshold = Pending(self._finder.smallest_taken_reader())
-            return self._partitions.positions(part, chosen)
+            positions = self._partitions.positions(part, chosen)
+            self._chosen = (positions, chosen)  # a compact message sends the offsets
+            return positions
         assert self._rule is not None
         chosen = self._candidates.at_least(magnitude, self._rule.threshold)
         if chosen.numel() == 0:
@@ -280,3 +300,75 @@ class Micro(Sparsifier):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._rule is not None:
             self._rule.load_state_dict(state)
+
+
+def _check_wire(wire: str, selection: str, index_message: str) -> None:
+    """Refuse, by name and with the fix, a wire that these options cannot carry."""
+    if wire not in WIRES:
+        raise ValueError(f"wire must be one of {', '.join(WIRES)}; got {wire!r}")
+    if wire == "plain":
+        return
+    if selection != "quota":
+        raise ValueError(
+            f"wire={wire!r} needs selection='quota': its message has room for a count known "
+            "before the exchange; with a shared threshold keep wire='plain'"
+        )
+    if index_message != "fixed":
+        raise ValueError(
+            f"wire={wire!r} replaces the fixed index message: leave index_message='fixed' "
+            "(or keep wire='plain' for the reference's padded message)"
+        )
+
+
+class _Owned:
+    """MiCRO's owned partitions as the ranges of a :class:`~microsparse.comm.framing.Compact`
+    message: rank r's positions at step t are offsets into partition (t + r) mod n.
+
+    A partition is rows of entries (interleaved: its blocks; contiguous: one row), so every
+    rank's offsets map to flat positions through one table of row starts, the ranks' tables
+    end to end: a handful of kernels whatever n. The per-pick row bases are made once per
+    pattern of owners and counts (they rotate with the step: a few per rank)."""
+
+    def __init__(self, micro: Micro) -> None:
+        self._micro = micro
+        self._partitions = micro._partitions
+        self._rank, self._world_size = micro.rank, micro.world_size
+        self.largest = micro._largest
+        self._plans: dict[tuple[int, tuple[int, ...], torch.device], tuple[torch.Tensor, ...]] = {}
+
+    def offsets(self, step: int, positions: torch.Tensor) -> torch.Tensor:
+        chosen = self._micro._chosen
+        if chosen is not None and chosen[0] is positions:  # what select() just found
+            return chosen[1]
+        part = owned_partition(step, self._rank, self._world_size)
+        return self._partitions.offsets(part, positions)
+
+    def positions(self, step: int, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        row, table, first, last = self._plan(step, counts, offsets.device)
+        # Past a rank's range only where every rank is answered this rank's message
+        # (SymmetricPeers' timings) and another's partition is shorter: kept inside it.
+        offsets = torch.minimum(offsets, last)
+        if row & (row - 1):
+            rows = torch.div(offsets, row, rounding_mode="floor").add_(first)
+            return table.index_select(0, rows).add_(offsets % row)
+        rows = torch.bitwise_right_shift(offsets, row.bit_length() - 1).add_(first)
+        return table.index_select(0, rows).add_(offsets.bitwise_and_(row - 1))
+
+    def _plan(self, step: int, counts: list[int], device: torch.device) -> tuple[Any, ...]:
+        n = self._world_size
+        key = (step % n, tuple(counts), device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4 * n:
+                self._plans.clear()
+            parts = [owned_partition(step, rank, n) for rank in range(n)]
+            tables = [self._partitions.rows(part) for part in parts]
+            row = tables[0][0]
+            bases = torch.tensor([0] + [len(starts) for _, starts in tables[:-1]]).cumsum(0)
+            sizes = torch.tensor([self._partitions.size(part) for part in parts])
+            repeats = torch.tensor(counts)
+            first = torch.repeat_interleave(bases, repeats).to(device)
+            last = torch.repeat_interleave(sizes - 1, repeats).to(device)
+            table = torch.cat([starts for _, starts in tables]).to(device)
+            plan = self._plans[key] = (row, table, first, last)
+        return plan

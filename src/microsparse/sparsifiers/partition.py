@@ -85,6 +85,28 @@ class ContiguousPartitions:
         start = self.ranges[part][0]
         return indices + start if start else indices
 
+    def rows(self, part: int) -> tuple[int, torch.Tensor]:
+        """As :meth:`InterleavedPartitions.rows`: one row, as long as the vector or longer (a
+        power of 2, so that a caller may shift instead of divide).
+
+        Example:
+            >>> ContiguousPartitions(10, 4).rows(1)
+            (16, tensor([3]))
+        """
+        row = 1 << max(0, self.ranges[-1][1] - 1).bit_length()
+        return row, torch.tensor([self.ranges[part][0]])
+
+    def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`positions`: flat positions of partition ``part`` as indices
+        into its entries.
+
+        Example:
+            >>> ContiguousPartitions(10, 4).offsets(1, torch.tensor([3, 5])).tolist()
+            [0, 2]
+        """
+        start = self.ranges[part][0]
+        return positions - start if start else positions
+
 
 class InterleavedPartitions:
     """Blocks of ``block`` entries dealt round-robin: partition p owns blocks p, p + n, p + 2n, ...
@@ -150,14 +172,43 @@ class InterleavedPartitions:
         """
         if self.parts == 1:  # every block, in order: the entries are the positions
             return indices
-        starts = self._row_starts.get((part, indices.device))
+        starts = self._starts(part, indices.device)
+        rows = torch.div(indices, self.block, rounding_mode="floor")
+        return starts.index_select(0, rows).add_(indices % self.block)
+
+    def rows(self, part: int) -> tuple[int, torch.Tensor]:
+        """Entries per row of partition ``part`` and the flat position each row starts at:
+        entry i is at ``starts[i // row] + i % row``.
+
+        Example:
+            >>> InterleavedPartitions(10, parts=2, block=2).rows(0)
+            (2, tensor([0, 4, 8]))
+        """
+        return self.block, self._starts(part, torch.device("cpu"))
+
+    def _starts(self, part: int, device: torch.device) -> torch.Tensor:
+        starts = self._row_starts.get((part, device))
         if starts is None:
             rows = torch.arange(part, self.full_blocks, self.parts) * self.block
             if self._owns_tail(part):
                 rows = torch.cat([rows, torch.tensor([self.full_blocks * self.block])])
-            starts = self._row_starts[(part, indices.device)] = rows.to(indices.device)
-        rows = torch.div(indices, self.block, rounding_mode="floor")
-        return starts.index_select(0, rows).add_(indices % self.block)
+            starts = self._row_starts[(part, device)] = rows.to(device)
+        return starts
+
+    def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`positions`: block b = p // block of partition ``part`` is its
+        row (b − part) / parts (the tail block too: the partition that owns it is
+        full_blocks mod parts).
+
+        Example:
+            >>> InterleavedPartitions(10, parts=2, block=2).offsets(0, torch.tensor([0, 5, 9]))
+            tensor([0, 3, 5])
+        """
+        if self.parts == 1:
+            return positions
+        blocks = torch.div(positions, self.block, rounding_mode="floor")
+        rows = blocks.sub_(part).div_(self.parts, rounding_mode="floor")
+        return rows.mul_(self.block).add_(positions % self.block)
 
 
 PARTITIONINGS = {"contiguous": ContiguousPartitions, "interleaved": InterleavedPartitions}

@@ -87,6 +87,12 @@ def _unknown_option(
             "transactional is gone: a failed step now always leaves every residual as it "
             "was; pass nonfinite='raise' to raise NonFiniteGradientError instead of skipping"
         )
+    if bad == "wire":
+        return TypeError(
+            f"sparsifier {name!r} has no option 'wire': the compact wire sends each position as "
+            "an offset into a range its rank owns, which only micro's partitions give; use "
+            "'micro' with wire='compact', or leave wire out"
+        )
     if owner is None:
         return ValueError(f"sparsifier {name!r} has no option {bad!r}; it {hint}")
     caller, keywords = owner

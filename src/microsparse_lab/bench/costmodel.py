@@ -109,7 +109,7 @@ def collective_seconds(
 class StepShape:
     """The message sizes of one step of one sparsifier (what the simulator measures)."""
 
-    exchange: str  # the framing's label: "fixed", "padded", "union", "shared" or "dense"
+    exchange: str  # the framing's label: "fixed", "compact", "padded", "union", "shared" or "dense"
     numel: int  # d
     selected: float  # K, distinct positions averaged
     max_local_selected: float  # indices per rank's index message: max_r k_r, or the capacity

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from microsparse import GradientReducer
 from microsparse.comm import Collective, ProcessGroupCollectives
 from microsparse.comm.collectives import index_dtype
-from microsparse.comm.framing import Fixed
+from microsparse.comm.framing import FRAMINGS
 from microsparse.stats import StepStats
 from microsparse_lab.bench.workload import RESNET18_NUMEL, model_layout, synthetic_gradient
 
@@ -126,9 +126,9 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
     samples: dict[str, dict[str, list[float]]] = {n: {"cpu": [], "wall": []} for n in works}
     for round_index in range(config.warmup + config.repeats):
         if round_index == config.warmup:  # the first variant's step sizes are known now
-            first = next(iter(reducers.values())).last_step
-            assert first is not None
-            works.update(_bare_rounds(first))
+            reducer = next(iter(reducers.values()))
+            assert reducer.last_step is not None
+            works.update(_bare_rounds(reducer.last_step, reducer))
             samples.update({n: {"cpu": [], "wall": []} for n in ("index_round", "value_round")})
         for name, work in works.items():
             for p, g in zip(params, fresh):
@@ -153,12 +153,17 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
         torch.save(gathered, out)
 
 
-def _bare_rounds(stats: StepStats) -> dict[str, Any]:
-    """The index all-gather and the value all-reduce of a step like ``stats``, alone."""
+def _bare_rounds(stats: StepStats, reducer: GradientReducer) -> dict[str, Any]:
+    """The index all-gather and the value all-reduce of a step like ``stats``, alone, in
+    the dtypes ``reducer`` sends (its framing's values where it names no value_dtype)."""
     comm = ProcessGroupCollectives()
-    slots = Fixed.header_slots + stats.max_local_selected
-    message = torch.zeros(slots, dtype=index_dtype(stats.numel))
-    values = torch.zeros(stats.selected)
+    dtype = index_dtype(stats.numel)
+    width = torch.empty(0, dtype=dtype).element_size()
+    (_, size), *_ = FRAMINGS[stats.exchange].collectives(stats.max_local_selected, width)
+    message = torch.zeros(int(size) // width, dtype=dtype)
+    named = reducer.sparse_options.value_dtype
+    wire = named or reducer.sparsifier.framing().value_dtype or torch.float32
+    values = torch.zeros(stats.selected, dtype=wire)
 
     def index_round() -> None:
         comm.run(Collective("all_gather", message, "indices"))

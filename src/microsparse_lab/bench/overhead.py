@@ -7,12 +7,17 @@ For each d and n, one thread, process CPU time, median of repeated calls:
   set to a fresh tensor first, as after ``zero_grad()`` and backward;
 - **hook**: the DDP hook's step of one slab holding the whole model (the engine with DDP's
   bucket as the gradient and the slab's O(K) buffer as the result);
+- **index exchange**: the variant's framing alone, encoding this rank's selected positions
+  and decoding every rank's (all ranks answered this rank's message): for the compact wire
+  its encode + decode, for the fixed message its copy and gather;
 - **selection**: the sparsifier's selection alone, in passes over the rank's own d/n
   entries, for MiCRO's quotas and for the reference's plain compare, the latter at a
   threshold that selects exactly the same count (the q-th largest of the owned partition),
   so both are timed doing the same job;
 
 all in units of one read pass over d floats (``a.sum()``) and, at n = 1, of ``torch.topk``.
+The loop, the hook and the loopback ranks run ``variant``, MiCRO with options
+(``micro(wire=compact)``); the selection is MiCRO's own whatever the options.
 Then ``microsparse_lab.bench.loopback``: n gloo ranks on loopback, one ``synchronize()`` against
 a dense all-reduce of the same gradient, in CPU time, and MiCRO's two rounds (index
 all-gather, value all-reduce) alone at its step's sizes, in wall time.
@@ -29,6 +34,7 @@ from typing import Any
 
 import torch
 
+from microsparse.comm.framing import Proposal
 from microsparse.comm.local import SymmetricPeers
 from microsparse.engine import SparseOutput, SparseStep, run_blocking
 from microsparse.feedback import ErrorFeedback
@@ -46,8 +52,11 @@ from microsparse_lab.bench.workload import (
     model_layout,
     synthetic_gradient,
 )
+from microsparse_lab.methods.names import find_variants
 
 REFERENCE = loopback.REFERENCE
+COLUMNS = ["n", "loop step", "hook step", "index exchange", "quota selection",
+           "reference compare", "count"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,21 @@ class OverheadConfig:
     loopback_ranks: int = 4  # 0: skip the gloo part
     loopback_repeats: int = 15
     seed: int = 0
+    variant: str = "micro"
+    """MiCRO with options, as the harness names variants: ``micro(wire=compact)``."""
+
+    def options(self) -> dict[str, Any]:
+        """The variant's MiCRO options; ValueError unless it is a variant of micro."""
+        variant = find_variants((self.variant,), self.density)[0]
+        if variant.name != "micro":
+            raise ValueError(f"variant: must be micro with options, got {self.variant!r}")
+        return dict(variant.options)
 
 
 def run(config: OverheadConfig, progress: bool = True) -> dict[str, Any]:
     """Measure every (d, n) of ``config``; returns the JSON record."""
     torch.set_num_threads(1)
+    options = config.options()
     started = machine()
     rows, floors = [], []
     for numel in config.sizes:
@@ -81,6 +100,7 @@ def run(config: OverheadConfig, progress: bool = True) -> dict[str, Any]:
             row = {"numel": numel, "world_size": n, **_step_costs(layout, gradient, config, n)}
             row["loop_passes"] = row["loop_ms"] / floor["pass_ms"]
             row["hook_passes"] = row["hook_ms"] / floor["pass_ms"]
+            row["exchange_passes"] = row["exchange_ms"] / floor["pass_ms"]
             for name in ("quota", "reference"):
                 row[f"{name}_select_own_passes"] = row[f"{name}_select_ms"] / (floor["pass_ms"] / n)
             rows.append(row)
@@ -103,7 +123,7 @@ def run(config: OverheadConfig, progress: bool = True) -> dict[str, Any]:
         result["loopback"] = loopback.run(
             loopback.LoopbackConfig(
                 numel=numel, ranks=config.loopback_ranks, density=config.density,
-                repeats=config.loopback_repeats, variants={"micro": {}},
+                repeats=config.loopback_repeats, variants={config.variant: options},
             )
         )  # fmt: skip
         result["loopback"].pop("per_rank")
@@ -128,6 +148,7 @@ def _step_costs(
     return {
         "loop_ms": _loop_ms(layout, gradient, config, peers),
         "hook_ms": _hook_ms(layout, gradient, config, peers),
+        "exchange_ms": _exchange_ms(layout, gradient, config, peers),
         **_selection_ms(layout, gradient, config, n),
     }
 
@@ -137,7 +158,8 @@ def _loop_ms(
 ) -> float:
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in layout.shapes]
     fresh = [g.view(s).clone() for g, s in zip(gradient.split(list(layout.sizes)), layout.shapes)]
-    reducer = GradientReducer(params, "micro", config.density, collectives=peers)
+    reducer = GradientReducer(params, "micro", config.density, collectives=peers,
+                              **config.options())  # fmt: skip
 
     def setup() -> None:
         reducer.residual.zero_()
@@ -150,7 +172,7 @@ def _loop_ms(
 def _hook_ms(
     layout: Layout, gradient: torch.Tensor, config: OverheadConfig, peers: SymmetricPeers
 ) -> float:
-    sparsifier = create_sparsifier("micro", config.density)
+    sparsifier = create_sparsifier("micro", config.density, **config.options())
     sparsifier.bind(layout, 0, peers.world_size)
     feedback = ErrorFeedback(layout, torch.float32, gradient.device)
     engine = SparseStep(sparsifier, feedback)
@@ -161,6 +183,17 @@ def _hook_ms(
         bucket.copy_(gradient)
 
     return _ms(lambda: run_blocking(engine.run(0, bucket, output), peers), config.repeats, setup)
+
+
+def _exchange_ms(
+    layout: Layout, gradient: torch.Tensor, config: OverheadConfig, peers: SymmetricPeers
+) -> float:
+    sparsifier = create_sparsifier("micro", config.density, **config.options())
+    sparsifier.bind(layout, 0, peers.world_size)
+    proposal = Proposal(sparsifier.select(gradient, 0), gradient, 0, sparsifier.counts(0))
+    framing = sparsifier.framing()
+    return _ms(lambda: run_blocking(framing.exchange(proposal, peers.world_size), peers),
+               config.repeats)  # fmt: skip
 
 
 def _selection_ms(
@@ -187,7 +220,8 @@ def markdown(result: dict[str, Any]) -> str:
     end = ", ".join(f"{x:g}" for x in result["load_average_at_end"])
     parts = [
         f"Machine: {describe_machine(result['machine'])}; load average {end} at the end. "
-        "One torch thread, process CPU time, medians.",
+        "One torch thread, process CPU time, medians. Loop, hook and loopback: "
+        f"{result['config'].get('variant', 'micro')}.",
         "",
     ]
     for floor in result["floors"]:
@@ -198,12 +232,13 @@ def markdown(result: dict[str, Any]) -> str:
             "selection in passes over the rank's own d/n (same count for both).",
             "",
             markdown_table(
-                ["n", "loop step", "hook step", "quota selection", "reference compare", "count"],
+                COLUMNS,
                 [
                     [
                         r["world_size"],
                         f"{r['loop_passes']:.2f}",
                         f"{r['hook_passes']:.2f}",
+                        f"{r['exchange_passes']:.3f}" if "exchange_passes" in r else "",
                         f"{r['quota_select_own_passes']:.2f} ({significant(r['quota_select_ms'])}"
                         " ms)",
                         f"{r['reference_select_own_passes']:.2f} "

@@ -14,6 +14,10 @@ OPTIONS = dict(
     loopback_ranks=dict(
         type=arguments.non_negative_int, help="gloo ranks comparing with all-reduce, 0 to skip"
     ),
+    variant=dict(
+        help="MiCRO with options for the loop, hook and loopback steps and the index exchange, "
+        "e.g. 'micro(wire=compact)'"
+    ),
 )
 """The options of OverheadConfig's fields, in the order ``--help`` lists them."""
 

@@ -110,7 +110,7 @@ def _simulate(
                 "world_size": world_size,
                 "numel": layout.numel,
                 "target": cluster.target,
-                **summarize(measured, world_size, layout.numel, VALUE_BYTES[config.value_dtype]),
+                **summarize(measured, world_size, layout.numel, _value_bytes(config, cluster)),
                 "per_step": [
                     {
                         "step": r.step,
@@ -134,3 +134,10 @@ def _simulate(
             if world_size * layout.numel >= 50_000_000:  # free n × d residuals now
                 gc.collect()
     return rows
+
+
+def _value_bytes(config: SimulateConfig, cluster: VirtualCluster) -> int:
+    """Bytes of one value on the wire: ``config.value_dtype``'s, unless the sparsifier's
+    framing sends its own (MiCRO's compact wire: bfloat16), as its engines then do."""
+    wire = cluster.engines[0].value_dtype
+    return VALUE_BYTES[config.value_dtype] if wire is None else wire.itemsize

@@ -1,0 +1,364 @@
+"""MiCRO's compact wire (``wire="compact"``): 16-bit offsets in the owned partition's chunks.
+
+The codec alone first (every chunk pattern, counts that need all 16 bits), then on real gloo
+ranks against the plain fixed message: the same positions and, with float32 values, the same
+averages and residuals bit for bit; with bfloat16 values every rank keeps its own rounding;
+the bytes each step reports are the bytes its collectives carried; bad combinations refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import microsparse.comm.collectives as collectives
+from distributed import run_ranks
+from microsparse import GradientReducer
+from microsparse.comm.chunks import SPAN, ChunkCodec, chunk_span
+from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes
+from microsparse.comm.framing import Compact, Fixed
+from microsparse.comm.local import SymmetricPeers
+from microsparse.ddp import SparseState, sparse_hook
+from microsparse.engine.plan import step_collectives
+from microsparse.layout import Layout
+from microsparse.sparsifiers import create_sparsifier
+
+STEPS = 4
+
+
+def random_offsets(generator: torch.Generator, size: int, count: int) -> torch.Tensor:
+    return torch.randperm(size, generator=generator)[:count]
+
+
+@pytest.mark.parametrize(("size", "capacity"), [(1000, 37), (300_000, 4000), (140_000, 70_000)])
+def test_the_codec_gives_back_every_ranks_offsets_in_order(size: int, capacity: int) -> None:
+    generator = torch.Generator().manual_seed(size)
+    span = chunk_span(capacity)
+    codec = ChunkCodec(-(-size // span), span, capacity)
+    counts = [capacity, capacity - 1, 0, capacity // 2]
+    sent = [random_offsets(generator, size, count) for count in counts]
+    rows = torch.stack([codec.encode(offsets) for offsets in sent])
+    assert rows.dtype == torch.int32 and rows.shape == (4, codec.words)
+    assert codec.counts(rows) == counts
+    expected = torch.cat([offsets.sort().values for offsets in sent])
+    assert torch.equal(codec.decode(rows, counts), expected)
+
+
+def test_empty_full_and_nearly_full_chunks_fit_16_bits() -> None:
+    """A chunk of 65,535 picks (all but one), chunks with none, and, where the capacity allows
+    a whole chunk, 32,768-entry chunks with one of them picked entirely."""
+    codec = ChunkCodec(chunks=4, span=SPAN, capacity=SPAN - 1)
+    nearly = torch.cat([torch.arange(2 * SPAN, 3 * SPAN - 1)])  # chunk 2 but its last entry
+    rows = codec.encode(nearly).unsqueeze(0)
+    assert rows.view(torch.int16)[0, :4].tolist() == [0, 0, -1, 0]  # 65,535 as int16
+    assert torch.equal(codec.decode(rows, [SPAN - 1]), nearly)
+    assert chunk_span(SPAN) == SPAN // 2
+    whole = ChunkCodec(chunks=3, span=SPAN // 2, capacity=SPAN)
+    picks = torch.cat([torch.arange(SPAN // 2, SPAN), torch.tensor([SPAN + 5])])
+    rows = whole.encode(picks.flip(0)).unsqueeze(0)
+    assert whole.counts(rows) == [SPAN // 2 + 1]
+    assert torch.equal(whole.decode(rows, [SPAN // 2 + 1]), picks)
+    with pytest.raises(ValueError, match="do not fit 16 bits"):
+        ChunkCodec(chunks=1, span=SPAN, capacity=SPAN)
+
+
+def test_padding_is_zero_and_the_message_is_half_words() -> None:
+    codec = ChunkCodec(chunks=2, span=SPAN, capacity=4)  # 6 halfwords: 3 words
+    odd = ChunkCodec(chunks=2, span=SPAN, capacity=5)  # 7 halfwords: 4 words, one pad
+    assert (codec.words, odd.words) == (3, 4)
+    message = odd.encode(torch.tensor([70_000, 3]))
+    assert message.view(torch.int16).tolist() == [1, 1, 3, 70_000 - SPAN, 0, 0, 0, 0]
+    assert Compact.collectives(slots=odd.halfwords, index_bytes=4) == [("all_gather", 16)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Real gloo ranks.
+
+
+def gradient(step: int, rank: int, numel: int, hot: tuple[int, int] | None) -> torch.Tensor:
+    """A gradient of this rank and step; ``hot`` = (chunk, span): every partition's entries in
+    that chunk of its contiguous range are far larger than the rest (one chunk takes every
+    pick, the others none)."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    values = torch.randn(numel, generator=generator)
+    if hot is not None:
+        chunk, span = hot
+        for start, end in partition_ranges(numel):
+            hot_values = values[start + chunk * span : min(end, start + (chunk + 1) * span)]
+            hot_values.add_(hot_values.sign().mul_(1000))
+    return values
+
+
+def partition_ranges(numel: int) -> list[tuple[int, int]]:
+    micro = create_sparsifier("micro", 0.01, partitioning="contiguous")
+    micro.bind(layout_of(numel), 0, dist.get_world_size())
+    return micro._partitions.ranges
+
+
+def layout_of(numel: int) -> Layout:
+    return Layout.of([("w", torch.empty(numel))])
+
+
+class Recorder:
+    """The bytes each rank handed to gloo, by collective, as the ring model counts them."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, torch.dtype]] = []
+        gather, reduce = collectives.all_gather_flat, dist.all_reduce
+
+        def all_gather(out, tensor, **kw):
+            self.calls.append(("all_gather", tensor.numel() * tensor.element_size(), tensor.dtype))
+            return gather(out, tensor, **kw)
+
+        def all_reduce(tensor, **kw):
+            self.calls.append(("all_reduce", tensor.numel() * tensor.element_size(), tensor.dtype))
+            return reduce(tensor, **kw)
+
+        collectives.all_gather_flat = all_gather
+        dist.all_reduce = all_reduce
+
+    def take(self) -> list[tuple[str, int, torch.dtype]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def wire_worker(rank: int, n: int, numel: int, density: float, options: dict, hot=None) -> dict:
+    recorder = Recorder()
+    param = torch.zeros(numel, requires_grad=True)
+    reducer = GradientReducer([param], "micro", density, **options)
+    steps = []
+    for step in range(STEPS):
+        before = reducer.residual.clone()
+        fresh = gradient(step, rank, numel, hot)
+        param.grad = fresh.clone()
+        stats = reducer.synchronize()
+        steps.append({"fresh": fresh, "before": before, "after": reducer.residual.clone(),
+                      "average": param.grad.clone(), "stats": stats,
+                      "calls": recorder.take()})  # fmt: skip
+    framing = reducer._engine.framing
+    return {"steps": steps, "label": framing.label, "slots": getattr(framing, "slots", None),
+            "chunks": getattr(framing, "chunks", None),
+            "value_dtype": reducer._engine.value_dtype}  # fmt: skip
+
+
+def launch(tmp_path, numel, density, options, world=2, hot=None) -> list[dict]:
+    return run_ranks(wire_worker, world, tmp_path, numel, density, options, hot)
+
+
+@pytest.mark.parametrize(
+    ("numel", "partitioning", "world", "chunks"),
+    [(400_003, "interleaved", 2, 4), (400_003, "contiguous", 3, 3), (5_000, "interleaved", 2, 1)],
+)
+def test_float32_values_average_as_the_plain_message(
+    numel: int, partitioning: str, world: int, chunks: int, tmp_path
+) -> None:
+    """Partitions of about 200,000 and 133,000 entries (several chunks) and of 2,500 (one).
+    The same positions, hence the same residuals, bit for bit. The values travel sorted by
+    position instead of in selection order: with two ranks each sum is one addition and the
+    averages are equal bit for bit; with three, gloo's ring adds an entry's three values in an
+    order that depends on where it lies in the buffer, so they agree to rounding."""
+    options = {"partitioning": partitioning}
+    plain = launch(tmp_path / "plain", numel, 0.01, options, world)
+    compact = launch(tmp_path / "compact", numel, 0.01, {**options, "wire": "compact_positions"},
+                     world)  # fmt: skip
+    assert compact[0]["label"] == "compact" and compact[0]["chunks"] == chunks
+    assert compact[0]["value_dtype"] is None
+    for t in range(STEPS):
+        for r in range(world):
+            a, b = plain[r]["steps"][t], compact[r]["steps"][t]
+            assert torch.equal(a["after"], b["after"]), (t, r)
+            assert torch.equal(a["average"] != 0, b["average"] != 0), (t, r)
+            if world == 2:
+                assert torch.equal(a["average"], b["average"]), (t, r)
+            torch.testing.assert_close(a["average"], b["average"], rtol=1e-6, atol=0)
+            assert torch.equal(b["average"], compact[0]["steps"][t]["average"]), (t, r)
+            for field in ("selected", "local_selected", "proposed", "target"):
+                assert getattr(a["stats"], field) == getattr(b["stats"], field), (t, r, field)
+            assert b["stats"].exchange == "compact"
+            assert b["stats"].selected == b["stats"].target > 0
+        # the index message: about half the plain one's bytes
+        index = [c for c in compact[0]["steps"][t]["calls"] if c[2] == torch.int32]
+        plain_index = [c for c in plain[0]["steps"][t]["calls"] if c[2] == torch.int32]
+        assert len(index) == len(plain_index) == 1
+        assert index[0][1] < 0.55 * plain_index[0][1], (index, plain_index)
+
+
+def test_bfloat16_values_keep_each_ranks_rounding_and_conserve(tmp_path) -> None:
+    numel = 200_000
+    ranks = launch(tmp_path, numel, 0.01, {"wire": "compact"})
+    assert ranks[0]["value_dtype"] == torch.bfloat16
+    for t in range(STEPS):
+        got = [rank["steps"][t] for rank in ranks]
+        sent = got[0]["average"] != 0
+        assert int(sent.sum()) == got[0]["stats"].selected == got[0]["stats"].target
+        wire = []
+        for seen in got:
+            had = seen["before"] + seen["fresh"]
+            wire.append(had[sent].to(torch.bfloat16))
+            # what rounding took from this rank's values stays in its residual, exactly
+            assert torch.equal(seen["after"][sent], had[sent] - wire[-1].float()), t
+            assert torch.equal(seen["after"][~sent], had[~sent]), t
+            assert torch.equal(seen["average"], got[0]["average"]), t
+        # the average is the wire sum (one more bfloat16 rounding, in the all-reduce) over n
+        summed = (wire[0] + wire[1]).float()
+        assert torch.equal(got[0]["average"][sent], summed / 2), t
+        had = sum((s["before"] + s["fresh"]).double() for s in got)
+        kept = sum(s["after"].double() for s in got)
+        exact = sum(w.double() for w in wire)  # Σ of what was sent, before the sum's rounding
+        conserved = 2 * got[0]["average"].double()
+        conserved[sent] += exact - summed.double()
+        assert torch.equal(conserved + kept, had), t
+
+
+@pytest.mark.parametrize(("density", "chunk"), [(0.01, 0), (0.01, 2), (0.5, 1)])
+def test_picks_all_in_one_chunk(density: float, chunk: int, tmp_path) -> None:
+    """Contiguous partitions of 150,000 entries; every pick in one chunk, none in the others.
+    At density 0.5 the quota (75,000) can fill a chunk: the chunks are 32,768 entries, and
+    chunk 1 is picked entirely."""
+    numel, options = 300_000, {"partitioning": "contiguous"}
+    span = SPAN if density < 0.4 else SPAN // 2
+    plain = launch(tmp_path / "plain", numel, density, options, world=2, hot=(chunk, span))
+    compact = launch(tmp_path / "compact", numel, density,
+                     {**options, "wire": "compact_positions"}, world=2,
+                     hot=(chunk, span))  # fmt: skip
+    for t in range(STEPS):
+        for r in range(2):
+            a, b = plain[r]["steps"][t], compact[r]["steps"][t]
+            assert torch.equal(a["average"], b["average"]), (t, r)
+            assert torch.equal(a["after"], b["after"]), (t, r)
+        if t == 0:  # residuals start at 0: the hot chunk holds every pick
+            for start, end in [(0, 150_000), (150_000, 300_000)]:
+                after = compact[0]["steps"][t]["after"][start:end]  # 0 where sent
+                sent = (after == 0).nonzero().squeeze(1)
+                if density == 0.5:  # the hot chunk whole, the rest elsewhere
+                    hot = sent[(sent // span) == chunk]
+                    assert sent.numel() == 75_000
+                    assert torch.equal(hot, torch.arange(chunk * span, (chunk + 1) * span))
+                else:  # every pick in the hot chunk, none in the others
+                    assert bool(((sent // span) == chunk).all()) and sent.numel() == 1_500
+
+
+def test_reported_bytes_are_the_bytes_gathered(tmp_path) -> None:
+    numel, n = 400_003, 3
+    ranks = launch(tmp_path, numel, 0.001, {"wire": "compact"}, world=n)
+    for rank in ranks:
+        for seen in rank["steps"]:
+            # Not a step's: the reducer's one check, at its first step, that all ranks have the
+            # same options (an int64 all-gather).
+            calls = [call for call in seen["calls"] if call[2] != torch.int64]
+            stats = seen["stats"]
+            ring = {"all_gather": all_gather_bytes, "all_reduce": all_reduce_bytes}
+            assert stats.bytes_sent == sum(ring[kind](size, n) for kind, size, _ in calls)
+            modelled = step_collectives(Compact, slots=rank["slots"], values=stats.selected,
+                                        value_bytes=2)  # fmt: skip
+            assert [(kind, size) for kind, size, _ in calls] == modelled
+            assert calls[-1][2] == torch.bfloat16
+
+
+def test_combinations_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="wire='compact' needs selection='quota'"):
+        create_sparsifier("micro", 0.01, wire="compact", selection="threshold")
+    with pytest.raises(ValueError, match="leave index_message='fixed'"):
+        create_sparsifier("micro", 0.01, wire="compact", index_message="padded")
+    with pytest.raises(ValueError, match="wire must be one of plain, compact"):
+        create_sparsifier("micro", 0.01, wire="int16")
+    with pytest.raises(TypeError, match="'topk' has no option 'wire'.*use 'micro'"):
+        GradientReducer([torch.zeros(10, requires_grad=True)], "topk", 0.1, wire="compact")
+
+
+def test_a_plain_micro_keeps_its_fixed_message() -> None:
+    micro = create_sparsifier("micro", 0.01)
+    micro.bind(layout_of(10_000), 0, 2)
+    assert isinstance(micro.framing(), Fixed) and micro.framing().value_dtype is None
+
+
+@pytest.mark.parametrize("partitioning", ["interleaved", "contiguous"])
+def test_offsets_invert_positions_in_every_partition(partitioning: str) -> None:
+    """Including the short tail block, and one rank's offsets mapped for every rank at once."""
+    numel, n = 1_000_003, 4
+    micro = create_sparsifier("micro", 0.01, partitioning=partitioning, wire="compact")
+    micro.bind(layout_of(numel), 0, n)
+    partitions, generator = micro._partitions, torch.Generator().manual_seed(0)
+    for part in range(n):
+        size = partitions.size(part)
+        offsets = torch.cat([random_offsets(generator, size, 500), torch.tensor([0, size - 1])])
+        positions = partitions.positions(part, offsets)
+        assert torch.equal(partitions.offsets(part, positions), offsets)
+    step, counts = 1, [3, 0, 2, 1]
+    picks = [torch.tensor([0, 9, partitions.size(1) - 1]), torch.tensor([], dtype=torch.long),
+             torch.tensor([5, 6]), torch.tensor([partitions.size(0) - 1])]  # fmt: skip
+    owned = micro.framing()._ranges
+    expected = torch.cat([partitions.positions((step + r) % n, p) for r, p in enumerate(picks)])
+    assert torch.equal(owned.positions(step, torch.cat(picks), counts), expected)
+
+
+def test_symmetric_peers_time_the_compact_step_with_unequal_quotas() -> None:
+    """The benchmarks answer every rank with this rank's message, though the quotas differ
+    by one and the partitions by a tail block: the step still runs, at half the bytes."""
+    sent = {}
+    for wire in ("plain", "compact"):
+        param = torch.nn.Parameter(torch.zeros(1_000_003))
+        reducer = GradientReducer([param], "micro", 0.001, collectives=SymmetricPeers(0, 4),
+                                  wire=wire)  # fmt: skip
+        for _ in range(5):
+            param.grad = torch.randn(1_000_003)
+            stats = reducer.synchronize()
+        assert stats.selected == stats.target == 1000
+        sent[wire] = stats.bytes_sent
+    assert sent["compact"] < 0.51 * sent["plain"], sent
+
+
+class SometimesUsed(torch.nn.Module):
+    """``branch`` is used in the first steps only, then unused on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(64, 64)
+        self.branch = torch.nn.Linear(64, 64)
+        self.use_branch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.trunk(x)
+        return self.branch(y) if self.use_branch else y
+
+
+def unused_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
+    """DDP leaving out the parameters no rank used: the counts are then not known before the
+    exchange, and the compact message's chunk counts are read on the host."""
+    read = []
+    counts = ChunkCodec.counts
+    ChunkCodec.counts = lambda codec, rows: read.append(1) or counts(codec, rows)
+    model = SometimesUsed()
+    ddp = DDP(model, find_unused_parameters=True)
+    ddp.register_comm_hook(SparseState("micro", 0.05, **options), sparse_hook)
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        model.use_branch = step < 2
+        model.zero_grad()
+        ddp(torch.randn(8, 64, generator=generator)).pow(2).sum().backward()
+    assert not options or read, "the counts were never read from the compact header"
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def warmup_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
+    """A density warm-up moves k, hence the message's capacity, every step."""
+    param = torch.zeros(300_000, requires_grad=True)
+    reducer = GradientReducer([param], "micro", 0.001, density_warmup=(0.01, 3), **options)
+    averages = []
+    for step in range(5):
+        param.grad = gradient(step, rank, 300_000, None)
+        stats = reducer.synchronize()
+        assert stats.selected == stats.target
+        averages.append(param.grad.clone())
+    return averages
+
+
+@pytest.mark.parametrize("worker", [unused_worker, warmup_worker])
+def test_unused_parameters_and_a_warm_up_average_as_the_plain_message(worker, tmp_path) -> None:
+    plain = run_ranks(worker, 2, tmp_path / "plain", {})
+    compact = run_ranks(worker, 2, tmp_path / "compact", {"wire": "compact_positions"})
+    for a, b in zip(plain, compact):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
