@@ -4,6 +4,9 @@ Each run is a script in ``tests/frameworks/``; these tests start it and compare 
 rank wrote: the hook really applied (the weights differ from plain DDP's, every rank's are
 identical), exact resume through each framework's own checkpoints, gradient accumulation.
 Lightning runs with both of its packages, ``pytorch_lightning`` and ``lightning.pytorch``.
+
+Sharded training: ``microsparse.fsdp`` under Lightning's ``ModelParallelStrategy`` and under an
+Accelerate loop, 4 gloo processes as 2 replicas × 2 shards, against hybrid sharding.
 """
 
 from __future__ import annotations
@@ -36,15 +39,16 @@ LIGHTNING_MODES = {
 PACKAGES = list(LIGHTNING_MODES)
 
 
-def _run(script: str, mode: str, root: Path, *options: str) -> list[list[torch.Tensor]]:
+def _run(script: str, mode: str, root: Path, *options: str,
+         ranks: int = 2) -> list[list[torch.Tensor]]:  # fmt: skip
     out = root / mode
     root.mkdir(parents=True, exist_ok=True)
-    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(SCRIPTS / script),
+    command = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(ranks), str(SCRIPTS / script),
                "--mode", mode, "--out", str(out), *options]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return [torch.load(out / f"params-rank{r}.pt") for r in range(2)]
+    return [torch.load(out / f"params-rank{r}.pt") for r in range(ranks)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -106,6 +110,36 @@ def test_accelerate_with_the_hook_and_the_reducer_resumes_exactly(root) -> None:
         assert not _same(runs[mode][0], runs["plain"][0]), mode
     assert _same(runs["hook-resume"][0], runs["hook"][0])
     assert _same(runs["reducer-resume"][0], runs["reducer"][0])
+
+
+FSDP_SCRIPTS = {"lightning": ("lightning_fsdp_run.py", "lightning.pytorch"),
+                "accelerate": ("accelerate_fsdp_run.py", "accelerate")}  # fmt: skip
+
+
+@cache
+def _sharded(root: Path, framework: str) -> dict[str, list[list[torch.Tensor]]]:
+    script, package = FSDP_SCRIPTS[framework]
+    pytest.importorskip(package)
+    return {mode: _run(script, mode, root / f"{framework}-fsdp", ranks=4)
+            for mode in ("hybrid", "dense", "sparse")}  # fmt: skip
+
+
+@pytest.mark.parametrize("framework", list(FSDP_SCRIPTS))
+def test_sharded_training_under_the_framework_is_hybrid_sharding_at_density_one(
+    root, framework
+) -> None:
+    """2 replicas × 2 shards: density 1 equals hybrid sharding bit for bit; at density 0.01
+    exactly k entries a step over the model, and every rank (both replicas) ends with the same
+    weights, which differ from hybrid sharding's (the exchange really ran)."""
+    runs = _sharded(root, framework)
+    for mode, ranks in runs.items():
+        assert all(_same(ranks[0], other) for other in ranks[1:]), f"{mode}: the ranks differ"
+    assert _same(runs["dense"][0], runs["hybrid"][0])
+    assert not _same(runs["sparse"][0], runs["hybrid"][0])
+    for rank in range(4):
+        facts = json.loads((root / f"{framework}-fsdp" / "sparse" / f"facts-rank{rank}.json")
+                           .read_text())  # fmt: skip
+        assert facts["steps"] == 4 and facts["selected"] == facts["target"] > 0, facts
 
 
 def test_the_strategy_is_that_of_the_imported_lightning_package(monkeypatch) -> None:
