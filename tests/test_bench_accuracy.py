@@ -137,6 +137,14 @@ def test_sharded_training_shards_inside_a_host_and_averages_sparsely_between(tmp
     assert rows["dense@fsdp"]["workers"] == rows["micro@fsdp"]["workers"] == 4
     # Between hosts each rank sends its shard's share: all of it, or about the density's.
     assert rows["micro@fsdp"]["bytes_per_step"] < rows["dense@fsdp"]["bytes_per_step"] / 20
+    # ... and the links agree: read from the hosts' counters after the first step (the set-up,
+    # rank 0's weights sent to every rank, left out), two ranks a host.
+    links = {row["run"]: row for row in rate["links"]}
+    dense, micro = links["dense@fsdp"], links["micro@fsdp"]
+    assert 1 <= dense["steps"] <= 4 and 1 <= micro["steps"] <= 4
+    shard = rows["dense@fsdp"]["bytes_per_step"]
+    assert 1.5 * shard < dense["link_bytes_per_host_step"] < 2.5 * shard
+    assert micro["link_bytes_per_host_step"] < dense["link_bytes_per_host_step"] / 10
     for name in ("dense-at-fsdp", "micro-at-fsdp"):
         config = json.loads((out / "1gbit" / name / "summary.json").read_text())["config"]
         assert config["integration"] == "fsdp" and config["world_size"] == 4

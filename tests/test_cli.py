@@ -123,6 +123,23 @@ def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
     assert summary["config"]["value_dtype"] == "bfloat16"
 
 
+def test_compact_wire_sends_the_same_entries_in_about_half_the_bytes(tmp_path):
+    records = {}
+    for wire in ("plain", "compact"):
+        out = tmp_path / wire
+        result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
+                         "--wire", wire, "--no-progress", "--out", str(out))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[wire] = [json.loads(line) for line in lines]
+    for plain, compact in zip(records["plain"], records["compact"]):
+        assert plain["selected"] == compact["selected"] > 0
+        # 8 bytes an entry against about 4 (16-bit offsets, bfloat16 values, chunk counts)
+        assert 0.4 < compact["bytes_sent"] / plain["bytes_sent"] < 0.6
+    summary = json.loads((tmp_path / "compact" / "summary.json").read_text())
+    assert summary["config"]["wire"] == "compact"
+
+
 @pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)", "powersgd(rank=2,start=3)"])
 def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
@@ -196,6 +213,8 @@ def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
         (["--selection", "quota", "--threshold-rule", "as_coded"], "--selection"),
         (["--sparsifier", "topk", "--partitioning", "contiguous"], "--partitioning"),
         (["--sparsifier", "sage", "--index-message", "padded"], "--index-message"),
+        (["--sparsifier", "topk", "--wire", "compact"], "--wire"),
+        (["--wire", "zip"], "--wire"),
         (["--task", "cifar10"], "--data-dir"),
         (["--data-dir", "."], "--data-dir"),
         (["--model-option", "depth=3"], "--model-option"),

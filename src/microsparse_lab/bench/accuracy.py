@@ -7,7 +7,11 @@ ordinary ``microsparse train`` (torchrun's variables, over the shaped link; with
 ``OUT/<rate>/<method>``. Each rate then gets the report of ``microsparse report``: the metric
 against epochs and against wall time, and per method the epochs, wall seconds, steps and
 bytes per worker to a target fixed in advance (``target_fraction`` of the dense run's final
-metric; for a metric where lower is better, 2 − that fraction of it).
+metric; for a metric where lower is better, 2 − that fraction of it). Each method's bytes
+between hosts per step are read from the hosts' links (their ``tx_bytes``, every header and
+retransmission included) once its first step is logged and again when it ends, so that the
+set-up (rank 0's initial weights, sent to every rank) is left out; they are reported per host
+and step beside the bytes its statistics model.
 
 A method is named as in :mod:`microsparse_lab.methods.names`: a sparsifier (the loop API), a
 sparsifier with ``@ddp`` (microsparse's DDP hook), or a peer (``ddp``, ``fp16``, ``bf16``,
@@ -26,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -134,21 +139,115 @@ def run_accuracy(
             for index, name in enumerate(config.methods):
                 log(f"[{config.hosts} hosts, {rate}] training {name}")
                 started = time.perf_counter()
-                _train(cluster, name, config, runs_dir / _directory(name), 29600 + index)
+                run_dir = runs_dir / _directory(name)
+                with _LinkWatch(cluster, run_dir / "metrics.jsonl") as link:
+                    _train(cluster, name, config, run_dir, 29600 + index)
+                (run_dir / "link.json").write_text(json.dumps(link.result()) + "\n")
                 log(f"[{config.hosts} hosts, {rate}] {name}: {time.perf_counter() - started:.0f} s")
         runs = [load_run(runs_dir / _directory(name), label=name) for name in config.methods]
         table = results_table(runs, None, config.target_fraction)
+        links = [_link_row(run, runs_dir / _directory(name)) for name, run in zip(config.methods, runs)]
         results["rates"].append({
             "rate": rate,
             "target": table.target.value,
             "target_source": table.target.source,
             "rows": table.rows,
+            "links": links,
             "load_average_after": os.getloadavg(),
         })  # fmt: skip
         (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
         write_report(runs, runs_dir, None, plots=plots, fraction=config.target_fraction)
         log((runs_dir / "results.md").read_text(encoding="utf-8"))
+        log(_links_table(links))
     return results
+
+
+def _link_bytes(cluster: netns.Cluster) -> list[int]:
+    """Bytes each host's link has sent so far (its veth's counter, read inside the host)."""
+    return [
+        int(cluster.run(host, ["cat", f"/sys/class/net/{cluster.interface(host)}/statistics/tx_bytes"]))
+        for host in range(cluster.hosts)
+    ]  # fmt: skip
+
+
+class _LinkWatch:
+    """The hosts' link counters once rank 0 has logged its first step, and at the end.
+
+    A thread polls the run's ``metrics.jsonl`` (written a line a step) while it trains; the
+    step count read with the first counters may be one behind the ranks, which shifts the
+    bytes per step by at most one step's share.
+    """
+
+    def __init__(self, cluster: netns.Cluster, metrics: Path) -> None:
+        self._cluster, self._metrics = cluster, metrics
+        self._first: tuple[int, list[int]] | None = None
+        self._end: tuple[int, list[int]] | None = None
+        self._started = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> _LinkWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._end = (self._steps(), _link_bytes(self._cluster))
+
+    def _steps(self) -> int:
+        """Lines in this training's metrics file (0 before the training has written it)."""
+        try:
+            if self._metrics.stat().st_mtime < self._started:
+                return 0
+            return self._metrics.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.05):
+            steps = self._steps()
+            if steps >= 1:
+                self._first = (steps, _link_bytes(self._cluster))
+                return
+
+    def result(self) -> dict[str, Any]:
+        """``steps`` counted between the two readings and the bytes each host sent in them."""
+        if self._first is None or self._end is None or self._end[0] <= self._first[0]:
+            return {"steps": 0, "tx_bytes_per_host": None}
+        (first, before), (end, after) = self._first, self._end
+        return {"steps": end - first, "tx_bytes_per_host": [b - a for a, b in zip(before, after)]}
+
+
+def _link_row(run: Any, run_dir: Path) -> dict[str, Any]:
+    """Bytes between hosts of one training per host and step, measured and modelled."""
+    link = json.loads((run_dir / "link.json").read_text())
+    sent, steps = link["tx_bytes_per_host"], link["steps"]
+    modelled = [record.get("bytes_sent", 0) for record in run.steps]
+    return {
+        "run": run.label,
+        "steps": steps,
+        "link_bytes_per_host_step": None if not sent else sum(sent) / len(sent) / steps,
+        "modelled_bytes_per_rank_step": sum(modelled) / max(1, len(modelled)),
+    }
+
+
+def _links_table(links: list[dict[str, Any]]) -> str:
+    """Markdown table of :func:`_link_row` rows, with each as a share of the first's bytes."""
+    first = links[0]["link_bytes_per_host_step"]
+    lines = [
+        "| run | steps read | KB between hosts / host / step | % of the first run's | "
+        "modelled KB / rank / step |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in links:
+        sent = row["link_bytes_per_host_step"]
+        share = "–" if sent is None or not first else f"{100 * sent / first:.2f}"
+        lines.append(
+            f"| {row['run']} | {row['steps']} | {'–' if sent is None else f'{sent / 1e3:.1f}'} | "
+            f"{share} | {row['modelled_bytes_per_rank_step'] / 1e3:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _directory(name: str) -> str:

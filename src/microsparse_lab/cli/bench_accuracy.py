@@ -50,7 +50,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 OWNED = (
     "--task", "--density", "--seed", "--out", "--sparsifier", "--integration", "--ddp-hook",
     "--workers", "--device", "--config", "--selection", "--threshold-rule", "--partitioning",
-    "--index-message",
+    "--index-message", "--wire",
 )  # fmt: skip
 """``microsparse train`` options that ``bench accuracy`` sets itself, per method."""
 

@@ -39,7 +39,7 @@ _FIELDS = {f.name for f in fields(TrainConfig)}
 
 _AVERAGING = (
     "sparsifier", "density", "selection", "threshold_rule", "partitioning", "index_message",
-    "value_dtype", "momentum_correction", "adam_correction", "density_warmup",
+    "wire", "value_dtype", "momentum_correction", "adam_correction", "density_warmup",
     "integration", "shards", "ddp_hook", "one_exchange", "min_speedup",
 )  # fmt: skip
 """The TrainConfig fields of the "gradient averaging" options, in the order --help lists."""
@@ -231,7 +231,7 @@ def _check_before_spawning(
     try:
         create_sparsifier(config.sparsifier, config.density, **options)
     except (TypeError, ValueError) as error:
-        names = ("selection", "threshold_rule", "partitioning", "index_message", "density")
+        names = ("selection", "threshold_rule", "partitioning", "index_message", "wire", "density")
         field = next((name for name in names if name in str(error)), "sparsifier")
         if field in from_file:
             parser.error(f"argument --config: {config_file}: {error}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from microsparse.sparsifiers import available_sparsifiers
-from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS
+from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS, WIRES
 from microsparse.sparsifiers.partition import PARTITIONINGS
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES
 from microsparse_lab import arguments
@@ -104,6 +104,12 @@ class TrainConfig:
         help="MiCRO's index message: fixed (carries its own count) or the paper's padded one "
         "after a count round (default: fixed). The reference code is --threshold-rule as_coded "
         "--partitioning contiguous --index-message padded",
+    )
+    wire: str | None = option(  # None: MiCRO's own default
+        choices=WIRES,
+        help="MiCRO's wire: plain (4-byte indices), compact (16-bit offsets in chunks of the "
+        "owned partition and bfloat16 values: about 4 bytes an entry instead of 8) or "
+        "compact_positions (compact offsets, values as --value-dtype) (default: plain)",
     )
     value_dtype: str | None = option(  # None: float32
         choices=VALUE_DTYPES,
@@ -246,6 +252,7 @@ class TrainConfig:
             "threshold_rule": self.threshold_rule,
             "partitioning": self.partitioning,
             "index_message": self.index_message,
+            "wire": self.wire,
         }
         return {key: value for key, value in given.items() if value is not None}
 
