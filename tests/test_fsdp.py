@@ -330,6 +330,9 @@ BAD_CORRECTIONS = [  # (the arguments, what the error must say)
      "density_warmup needs a sparsifier that selects"),
     ({"density": 0.01, "density_warmup": (0.1, 0)},
      "density_warmup: the steps must be a whole number >= 1"),
+    ({"density": 0.01, "adam_correction": (0.9, 0.999, 1e-8),
+      "grad_scaler": torch.amp.GradScaler("cpu")},
+     "adam_correction keeps Adam's moments of unscaled gradients"),
 ]  # fmt: skip
 
 
@@ -380,10 +383,57 @@ def test_bad_input_is_refused_on_every_rank_with_the_fix(tmp_path) -> None:
         plain, hybrid, two_d, misspelt, *corrections, disagree, wrong_group = messages
         for (_, expected), message in zip(BAD_CORRECTIONS, corrections, strict=True):
             assert expected in message, message
-        assert "grad_scaler" not in corrections[2]  # sparsify has none
         assert "momentum_correction (rank 0: [0.9, False], rank 1: [0.5, False])" in disagree
         assert "none of its modules is sharded by FSDP2; call fully_shard" in plain
         assert "a 2-D mesh (hybrid sharding)" in hybrid and "mesh['shard']" in hybrid
         assert "replicate must be one dimension of the mesh" in two_d
         assert "'selction'" in misspelt and "selection" in misspelt
         assert "mesh['replicate']" in wrong_group and "shard (this rank's place" in wrong_group
+
+
+def scaler_worker(rank: int, n: int) -> dict:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    plain = sharded(mesh["shard"])  # the same steps without a scaler, to compare with
+    unscaled = microsparse.fsdp.sparsify(plain, mesh["replicate"], 0.05)
+    plain_residuals = []
+    train(plain, rank, range(4), lambda step: plain_residuals.append(
+        [s.feedback.residual.clone() for s in unscaled._slabs.values()]))
+    model = sharded(mesh["shard"])
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], 0.05, grad_scaler=scaler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales, moved, residuals = [], [], []
+    for step in range(8):
+        optimizer.zero_grad()
+        x = batch(step, rank)
+        if step == 4 and rank == 3:
+            x *= 3e37  # the scaled loss overflows on one rank of one replica only
+        before = [p.to_local().detach().clone() for p in model.parameters()]
+        scaler.scale(model(x).pow(2).mean()).backward()
+        residuals.append([s.feedback.residual.clone() for s in state._slabs.values()])
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        moved.append(any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())))
+    return {"scales": scales, "moved": moved, "residuals": residuals,
+            "plain_residuals": plain_residuals,
+            "params": [p.to_local().detach().clone() for p in model.parameters()]}  # fmt: skip
+
+
+def test_a_grad_scaler_overflow_is_skipped_everywhere_and_training_goes_on(tmp_path) -> None:
+    results = run_ranks(scaler_worker, 4, tmp_path)
+    for result in results:
+        assert result["moved"][4] is False  # the overflowing step changed nothing, anywhere
+        assert all(result["moved"][:4]) and all(result["moved"][5:])
+        assert result["scales"][4] == result["scales"][3] / 2  # the scaler backed off
+        # The skipped step kept every residual as it was, and none holds a NaN or Inf.
+        assert same([result["residuals"][3]], [result["residuals"][4]])
+        assert all(torch.isfinite(r).all() for step in result["residuals"] for r in step)
+        # A power-of-two scale is exact: the residuals hold the unscaled run's, bit for bit.
+        assert same(result["residuals"][:4], result["plain_residuals"])
+    assert all(result["scales"] == results[0]["scales"] for result in results)
+    for shard in (0, 1):  # ranks 0 and 2 hold shard 0 in each replica, 1 and 3 shard 1
+        first, second = results[shard], results[shard + 2]
+        assert same([first["params"]], [second["params"]])

@@ -15,7 +15,7 @@ from microsparse.comm.collectives import check_agreement
 from microsparse.ddp.slabs import Job, Slab
 from microsparse.ddp.state import PassRecord
 from microsparse.engine import FlatOutput
-from microsparse.engine.step import NonFinite, run_blocking
+from microsparse.engine.step import NonFinite, run_blocking, scaler_scale
 from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import keywords_of
@@ -35,6 +35,7 @@ def sparsify(
     momentum_nesterov: bool = False,
     adam_correction: tuple[float, float, float] | None = None,
     density_warmup: DensityWarmup | tuple[float, int] | None = None,
+    grad_scaler: Any = None,
     **options: Any,
 ) -> ShardedState:
     """Average ``model``'s gradient shards across ``replicate`` sparsely, with error feedback.
@@ -85,7 +86,8 @@ def sparsify(
     chosen = SparseOptions(sparsifier, density, value_dtype, nonfinite, momentum_correction,
                            momentum_nesterov, adam_correction, density_warmup, options,
                            owner=owner)  # fmt: skip
-    state = ShardedState(replicate, chosen)
+    chosen.check_scaler(grad_scaler)
+    state = ShardedState(replicate, chosen, grad_scaler)
     state.attach(model)
     return state
 
@@ -100,9 +102,11 @@ class ShardedState:
     module's step runs to its end inside the hook, in the stream FSDP runs the hook in.
     """
 
-    def __init__(self, replicate: Any, options: SparseOptions) -> None:
+    def __init__(self, replicate: Any, options: SparseOptions, grad_scaler: Any = None) -> None:
         self.sparse_options = options
         """Every option of the sparse step, checked."""
+        self.grad_scaler = grad_scaler
+        """The ``GradScaler`` whose scale the gradient shards carry, or None."""
         self.group = _replicate_group(replicate)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -174,7 +178,9 @@ class ShardedState:
         job = Job(slab, number, shard, output, [])
         record.ran.append(job)
         try:
-            report = run_blocking(slab.engine.run(self.step, shard, output), self._collectives)
+            scale = scaler_scale(self.grad_scaler)
+            steps = slab.engine.run(self.step, shard, output, scale=scale)
+            report = run_blocking(steps, self._collectives)
         except BaseException:
             self._abandon(record)
             raise
@@ -253,6 +259,7 @@ class ShardedState:
             "value_dtype": str(options.value_dtype),
             "nonfinite": options.nonfinite,
             **options.corrections(),
+            **({"grad_scaler": True} if self.grad_scaler is not None else {}),
             "shard (this rank's place, shard size)": self._shard,
         }
 
