@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import microsparse
-from microsparse.ddp.choice import CHOICE_PASS
+from microsparse.ddp import CHOICE_PASS
 from microsparse.sparsifiers import method_sparsifiers
 from microsparse_lab.bench import netns
 from microsparse_lab.bench.cluster_worker import MODELS, NO_EXCHANGE

@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from microsparse.comm.framing import FRAMINGS
-from microsparse.engine.plan import step_collectives
+from microsparse.comm import FRAMINGS
+from microsparse.engine import step_collectives
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class StepShape:
 
 def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, float]]:
     """(kind, bytes) of every collective one step of ``shape`` issues, in order
-    (:func:`microsparse.engine.plan.step_collectives`).
+    (:func:`microsparse.engine.step_collectives`).
 
     Example:
         >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)
