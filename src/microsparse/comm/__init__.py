@@ -31,24 +31,8 @@ from microsparse.comm.framing import (
 from microsparse.comm.local import SymmetricPeers, run_together
 
 __all__ = [
-    "FRAMINGS",
-    "Collective",
-    "Collectives",
-    "Dense",
-    "Exchange",
-    "Exchanged",
-    "Fixed",
-    "Framing",
-    "Kind",
-    "Padded",
-    "ProcessGroupCollectives",
-    "Proposal",
-    "Shared",
-    "SymmetricPeers",
-    "all_gather_bytes",
-    "all_gather_flat",
-    "all_reduce_bytes",
-    "broadcast_bytes",
-    "index_dtype",
-    "run_together",
+    "FRAMINGS", "Collective", "Collectives", "Dense", "Exchange", "Exchanged", "Fixed",
+    "Framing", "Kind", "Padded", "ProcessGroupCollectives", "Proposal", "Shared",
+    "SymmetricPeers", "all_gather_bytes", "all_gather_flat", "all_reduce_bytes",
+    "broadcast_bytes", "index_dtype", "run_together",
 ]

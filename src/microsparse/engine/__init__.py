@@ -15,13 +15,6 @@ from microsparse.engine.stats import dense_stats
 from microsparse.engine.step import SparseStep, StepReport, run_blocking
 
 __all__ = [
-    "DiscardOutput",
-    "FlatOutput",
-    "GradientOutput",
-    "SparseOutput",
-    "SparseStep",
-    "StepReport",
-    "dense_stats",
-    "run_blocking",
-    "step_collectives",
+    "DiscardOutput", "FlatOutput", "GradientOutput", "SparseOutput", "SparseStep",
+    "StepReport", "dense_stats", "run_blocking", "step_collectives",
 ]

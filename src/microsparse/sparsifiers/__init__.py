@@ -33,16 +33,7 @@ from microsparse.sparsifiers.registry import (
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
 
 __all__ = [
-    "INDEX_MESSAGES",
-    "PARTITIONINGS",
-    "SELECTIONS",
-    "THRESHOLD_RULES",
-    "Sparsifier",
-    "available_sparsifiers",
-    "create_sparsifier",
-    "initial_threshold",
-    "keywords_of",
-    "method_sparsifiers",
-    "register_sparsifier",
-    "validate_density",
+    "INDEX_MESSAGES", "PARTITIONINGS", "SELECTIONS", "THRESHOLD_RULES", "Sparsifier",
+    "available_sparsifiers", "create_sparsifier", "initial_threshold", "keywords_of",
+    "method_sparsifiers", "register_sparsifier", "validate_density",
 ]
