@@ -1,7 +1,7 @@
 """How it is exchanged: collective requests, who runs them, the index framings, wire bytes.
 
 For measuring: ``Kind``, ``index_dtype``, ``Proposal``, ``Exchange``, ``Exchanged``,
-``FRAMINGS``, ``SymmetricPeers`` and ``run_together`` are exported so that benchmarks and the
+``SymmetricPeers`` and ``run_together`` are exported so that benchmarks and the
 simulator can drive the framings and the step without a process group; a training loop needs
 none of them.
 """
@@ -18,7 +18,7 @@ from microsparse.comm.collectives import (
     index_dtype,
 )
 from microsparse.comm.framing import (
-    FRAMINGS,
+    Compact,
     Dense,
     Exchange,
     Exchanged,
@@ -31,7 +31,7 @@ from microsparse.comm.framing import (
 from microsparse.comm.local import SymmetricPeers, run_together
 
 __all__ = [
-    "FRAMINGS", "Collective", "Collectives", "Dense", "Exchange", "Exchanged", "Fixed",
+    "Collective", "Collectives", "Compact", "Dense", "Exchange", "Exchanged", "Fixed",
     "Framing", "Kind", "Padded", "ProcessGroupCollectives", "Proposal", "Shared",
     "SymmetricPeers", "all_gather_bytes", "all_gather_flat", "all_reduce_bytes",
     "broadcast_bytes", "index_dtype", "run_together",

@@ -28,8 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from microsparse.comm import FRAMINGS
+from microsparse.comm import Compact, Dense, Fixed, Framing, Padded, Shared
 from microsparse.engine import step_collectives
+
+FRAMINGS: dict[str, type[Framing]] = {
+    "padded": Padded, "union": Padded, "fixed": Fixed, "compact": Compact, "shared": Shared,
+    "dense": Dense,
+}  # fmt: skip
+"""Framing classes by the label ``StepStats.exchange`` reports."""
 
 
 @dataclass(frozen=True)
