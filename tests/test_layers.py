@@ -1,6 +1,8 @@
 """The architecture, read from the imports: the library below, the harness above, one way.
 
-``microsparse`` (the library) never imports ``microsparse_lab`` (the harness); inside each,
+``microsparse`` (the library) never imports ``microsparse_lab`` (the harness); the harness
+imports the library's public names only (those in the ``__all__`` of a package of PUBLIC);
+inside each,
 every module belongs to a layer and imports only from its own layer or those below; no
 module imports itself back through others; and every import of the project's modules sits at
 the top of its file, where it can be seen (an import inside a function would hide a circle).
@@ -88,6 +90,114 @@ def layer(module: str) -> int:
 
 def graph() -> dict[str, set[str]]:
     return {name: {t for t, _, _ in imports(path) if t != name} for name, path in MODULES.items()}
+
+
+PUBLIC = (
+    "microsparse",
+    "microsparse.comm",
+    "microsparse.ddp",
+    "microsparse.engine",
+    "microsparse.feedback",
+    "microsparse.fsdp",
+    "microsparse.layout",
+    "microsparse.lightning",
+    "microsparse.sparsifiers",
+    "microsparse.stats",
+)
+"""The library's public surface: these modules, and in each only the names of its ``__all__``."""
+
+
+def public_names(module: str) -> set[str]:
+    """The ``__all__`` of a module, read from its source (without importing it)."""
+    for node in ast.parse(MODULES[module].read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{MODULES[module].relative_to(SRC)} has no __all__: give it one")
+
+
+EXPORTS = {module: public_names(module) for module in PUBLIC}
+
+
+def private_imports(path: Path, text: str | None = None) -> Iterator[str]:
+    """Each import of the library in a harness file that goes past its public names, with
+    file, line and the fix."""
+    tree = ast.parse(path.read_text(encoding="utf-8") if text is None else text)
+    where = path.relative_to(SRC)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "microsparse" and alias.name not in PUBLIC:
+                    yield (
+                        f"{where}:{node.lineno} imports the private module {alias.name}: "
+                        f"{fix(alias.name)}"
+                    )
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("microsparse"):
+            module = node.module or ""
+            if module.split(".")[0] != "microsparse":
+                continue  # microsparse_lab
+            for alias in node.names:
+                if module in PUBLIC and (
+                    alias.name in EXPORTS[module] or f"{module}.{alias.name}" in PUBLIC
+                ):
+                    continue
+                yield (
+                    f"{where}:{node.lineno} imports {alias.name} from {module}, "
+                    f"which is not one of its public names: {fix(alias.name)}"
+                )
+
+
+def fix(name: str) -> str:
+    short = name.rsplit(".", 1)[-1]
+    owners = sorted(m for m, names in EXPORTS.items() if short in names)
+    if owners:
+        return f"write `from {owners[0]} import {short}`"
+    return (
+        f"export {short} in the __all__ of a package of PUBLIC (saying so if it is for "
+        "measuring only), or move it to the harness"
+    )
+
+
+def test_the_harness_imports_public_names_only() -> None:
+    private = [
+        problem
+        for name, path in MODULES.items()
+        if name.split(".")[0] == "microsparse_lab"
+        for problem in private_imports(path)
+    ]
+    assert private == [], "\n".join(private)
+
+
+def test_the_public_names_exist() -> None:
+    """Every name in a public ``__all__`` is importable (a typo would let any import pass)."""
+    import importlib
+
+    for module in PUBLIC:
+        if module == "microsparse.lightning":
+            continue  # its names are built on first use, from whichever Lightning is installed
+        missing = [n for n in EXPORTS[module] if not hasattr(importlib.import_module(module), n)]
+        assert missing == [], f"{module}.__all__ names what it does not define: {missing}"
+
+
+def test_the_check_sees_an_import_past_the_public_names() -> None:
+    path = MODULES["microsparse_lab.bench.costmodel"]
+    text = (
+        "import microsparse.ddp\n"
+        "import microsparse.comm.framing\n"
+        "from microsparse import GradientReducer, ddp\n"
+        "from microsparse.comm import Padded\n"
+        "from microsparse.comm.collectives import all_reduce_bytes\n"
+        "from microsparse.reducer import GradientReducer\n"
+        "from microsparse.comm import check_agreement\n"
+    )
+    found = list(private_imports(path, text))
+    assert [line.split(" ", 1)[0] for line in found] == [
+        f"{path.relative_to(SRC)}:{n}" for n in (2, 5, 6, 7)
+    ]
+    assert "write `from microsparse.comm import all_reduce_bytes`" in found[1]
+    assert "write `from microsparse import GradientReducer`" in found[2]
+    assert "or move it to the harness" in found[3]
 
 
 def test_the_library_never_imports_the_harness() -> None:

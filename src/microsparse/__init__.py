@@ -28,14 +28,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'microsparse' has no attribute {name!r}")
 
 __all__ = [
-    "ConfigMismatchError",
-    "EveryRank",
-    "GradientReducer",
-    "NonFiniteGradientError",
-    "OwnRank",
-    "SparseOptions",
-    "StepStats",
-    "available_sparsifiers",
-    "register_sparsifier",
-    "__version__",
+    "ConfigMismatchError", "EveryRank", "GradientReducer", "NonFiniteGradientError", "OwnRank",
+    "SparseOptions", "StepStats", "available_sparsifiers", "register_sparsifier", "__version__",
 ]

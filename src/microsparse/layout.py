@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = ["FlatVector", "Layout"]
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -48,6 +48,12 @@ import torch
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.ranks import EveryRank
 
+__all__ = [
+    "LightningSparseDDPStrategy",  # noqa: F822  (built by __getattr__ on first use)
+    "PyTorchLightningSparseDDPStrategy",  # noqa: F822
+    "SparseDDPStrategy",
+]
+
 PACKAGES = {
     "LightningSparseDDPStrategy": "lightning.pytorch",
     "PyTorchLightningSparseDDPStrategy": "pytorch_lightning",

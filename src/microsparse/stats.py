@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+__all__ = ["StepStats"]
+
 
 class Pending:
     """A number that a step left on the device, read (once) when first asked for.

@@ -403,10 +403,3 @@ class Dense(Framing):
         cls, slots: float, index_bytes: int, counts_known: bool = False
     ) -> list[tuple[Kind, float]]:
         return []
-
-
-FRAMINGS: dict[str, type[Framing]] = {
-    "padded": Padded, "union": Padded, "fixed": Fixed, "compact": Compact, "shared": Shared,
-    "dense": Dense,
-}  # fmt: skip
-"""Framing classes by the label ``StepStats.exchange`` reports."""

@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import microsparse
-from microsparse.ddp.choice import CHOICE_PASS
+from microsparse.ddp import CHOICE_PASS
 from microsparse.sparsifiers import method_sparsifiers
 from microsparse_lab.bench import netns
 from microsparse_lab.bench.cluster_worker import MODELS, NO_EXCHANGE
+from microsparse_lab.bench.output import cpu_model
 from microsparse_lab.methods.names import DDP_FLOOR, DDP_KINDS, parse_method
+from microsparse_lab.reports.plots import pyplot
 
 PARTS = ("compute", "wait", "select", "exchange", "other")
 """The split of a step: forward + backward, waiting for the slowest worker, selection (with
@@ -185,16 +187,8 @@ def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     import torch
 
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -409,11 +403,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 def plot(results: dict[str, Any], path: Path) -> None:
     """Stacked horizontal bars of the step split, one panel per (hosts, rate), with the
     no-communication bound as a dashed line and DDP's own cost (``none@ddp``) dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     configurations = results["configurations"]
     hosts = sorted({c["hosts"] for c in configurations})
     rates = list(dict.fromkeys(c["rate"] for c in configurations))

@@ -47,8 +47,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from microsparse.comm.collectives import all_reduce_bytes
-from microsparse.reducer import GradientReducer
+from microsparse import GradientReducer
+from microsparse.comm import all_reduce_bytes
 from microsparse_lab.bench.settle import bisect_threshold, kth_magnitude
 from microsparse_lab.methods.hooks import attach_method
 from microsparse_lab.methods.names import NO_EXCHANGE, parse_method, split_labels

@@ -1,6 +1,6 @@
 """``microsparse bench controller``: how well each threshold rule keeps K at k, step by step.
 
-MiCRO with every rule of ``microsparse.sparsifiers.threshold.THRESHOLD_RULES`` (whatever the
+MiCRO with every rule of ``microsparse.sparsifiers.THRESHOLD_RULES`` (whatever the
 registry holds when it runs) is fed three gradient streams with error feedback:
 
 - ``stationary``: g_t = σ·z_t, z_t ~ N(0, 1) per entry with ResNet-18-like per-layer scales,
@@ -43,9 +43,8 @@ from typing import Any
 import torch
 from torch import Generator
 
-from microsparse.reducer import GradientReducer
-from microsparse.sparsifiers import create_sparsifier
-from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
+from microsparse import GradientReducer
+from microsparse.sparsifiers import THRESHOLD_RULES, create_sparsifier, initial_threshold
 from microsparse_lab.bench.capture import load_capture
 from microsparse_lab.bench.output import (
     describe_machine,

@@ -28,8 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from microsparse.comm.framing import FRAMINGS
-from microsparse.engine.plan import step_collectives
+from microsparse.comm import Compact, Dense, Fixed, Framing, Padded, Shared
+from microsparse.engine import step_collectives
+
+FRAMINGS: dict[str, type[Framing]] = {
+    "padded": Padded, "union": Padded, "fixed": Fixed, "compact": Compact, "shared": Shared,
+    "dense": Dense,
+}  # fmt: skip
+"""Framing classes by the label ``StepStats.exchange`` reports."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,7 @@ class StepShape:
 
 def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, float]]:
     """(kind, bytes) of every collective one step of ``shape`` issues, in order
-    (:func:`microsparse.engine.plan.step_collectives`).
+    (:func:`microsparse.engine.step_collectives`).
 
     Example:
         >>> shape = StepShape("padded", numel=10**6, selected=1000, max_local_selected=300)

@@ -35,10 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from microsparse import GradientReducer
-from microsparse.comm import Collective, ProcessGroupCollectives
-from microsparse.comm.collectives import index_dtype
-from microsparse.comm.framing import FRAMINGS
+from microsparse.comm import Collective, ProcessGroupCollectives, index_dtype
 from microsparse.stats import StepStats
+from microsparse_lab.bench.costmodel import FRAMINGS
 from microsparse_lab.bench.workload import RESNET18_NUMEL, model_layout, synthetic_gradient
 
 REFERENCE = {"selection": "threshold", "threshold_rule": "as_coded",

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from microsparse_lab.training.log import json_safe
+
 
 def machine() -> dict[str, Any]:
     """The machine a benchmark ran on, and how busy it was when the benchmark started."""
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "memory_gib": _memory_gib(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__,
@@ -40,7 +42,8 @@ def describe_machine(info: dict[str, Any]) -> str:
     )
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -59,7 +62,7 @@ def _memory_gib() -> float:
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(payload), indent=1) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=1) + "\n")
 
 
 def write_results(
@@ -110,12 +113,3 @@ def significant(value: float, digits: int = 3) -> str:
     decimals = max(0, digits - 1 - magnitude)
     return f"{value:.{decimals}f}"
 
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(key): _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value

@@ -3,7 +3,7 @@
 For each d and n, one thread, process CPU time, median of repeated calls:
 
 - **loop**: one ``GradientReducer.synchronize()`` over
-  :class:`~microsparse.comm.local.SymmetricPeers` (the network taken out), every ``p.grad``
+  :class:`~microsparse.comm.SymmetricPeers` (the network taken out), every ``p.grad``
   set to a fresh tensor first, as after ``zero_grad()`` and backward;
 - **hook**: the DDP hook's step of one slab holding the whole model (the engine with DDP's
   bucket as the gradient and the slab's O(K) buffer as the result);
@@ -34,14 +34,12 @@ from typing import Any
 
 import torch
 
-from microsparse.comm.framing import Proposal
-from microsparse.comm.local import SymmetricPeers
+from microsparse import GradientReducer
+from microsparse.comm import Proposal, SymmetricPeers
 from microsparse.engine import SparseOutput, SparseStep, run_blocking
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
-from microsparse.reducer import GradientReducer
-from microsparse.sparsifiers import create_sparsifier
-from microsparse.sparsifiers.threshold import initial_threshold
+from microsparse.sparsifiers import create_sparsifier, initial_threshold
 from microsparse_lab.bench import loopback
 from microsparse_lab.bench.output import describe_machine, machine, markdown_table, significant
 from microsparse_lab.bench.output import write_results as _write_results

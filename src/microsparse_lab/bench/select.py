@@ -12,7 +12,7 @@ step 0 (the step rank 0 leads, so planned sparsifiers include the leader's plan)
   unpacking it (and the union), gathering the values, the finiteness check of their sum,
   writing the average into every ``p.grad`` and forgetting the sent positions. For n = 1 the
   reducer has no process group; for n > 1 it runs over
-  :class:`~microsparse.comm.local.SymmetricPeers` (the other ranks send what rank 0 sends).
+  :class:`~microsparse.comm.SymmetricPeers` (the other ranks send what rank 0 sends).
 
 Both are compared with ``torch.topk(|a|, k)`` over the whole vector and with one memory pass
 over d floats (``a.sum()``, the physical floor of anything that reads the whole gradient).
@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from microsparse.comm.local import SymmetricPeers
+from microsparse import GradientReducer
+from microsparse.comm import SymmetricPeers
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import FlatVector, Layout
-from microsparse.reducer import GradientReducer
-from microsparse.sparsifiers import Sparsifier
-from microsparse.sparsifiers.threshold import initial_threshold
+from microsparse.sparsifiers import Sparsifier, initial_threshold
 from microsparse_lab.bench.output import (
     describe_machine,
     machine,

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Size
 
-from microsparse.comm.framing import Fixed
+from microsparse.comm import Fixed
 from microsparse.layout import Layout
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse_lab.bench.cluster_worker import MODELS

@@ -3,7 +3,7 @@
 Every worker r holds a sparsifier from the registry bound with ``bind(layout, r, n)``, its own
 error-feedback residual and a :class:`~microsparse.engine.SparseStep`. One
 :meth:`VirtualCluster.step` runs the very protocol ``GradientReducer.synchronize`` runs, for
-every worker together (:func:`~microsparse.comm.local.run_together`): the collectives are
+every worker together (:func:`~microsparse.comm.run_together`): the collectives are
 combined in process, so every worker's selection, index message, capacity cut, union and
 forgetting are the library's own code, not a restatement of it. The averaged gradient itself
 is not written anywhere (nothing trains here).
@@ -34,9 +34,16 @@ from typing import Any
 
 import torch
 
-from microsparse.comm.collectives import Kind, index_dtype
-from microsparse.comm.framing import Exchange, Exchanged, Framing, Padded, Proposal
-from microsparse.comm.local import run_together
+from microsparse.comm import (
+    Exchange,
+    Exchanged,
+    Framing,
+    Kind,
+    Padded,
+    Proposal,
+    index_dtype,
+    run_together,
+)
 from microsparse.engine import DiscardOutput, SparseStep, StepReport
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
@@ -194,7 +201,7 @@ class VirtualCluster:
 class SharedUnion(Framing):
     """A ``Padded(union=True)`` framing whose union is computed once per step for all workers.
 
-    :func:`~microsparse.comm.local.run_together` answers an all-gather with one and the same
+    :func:`~microsparse.comm.run_together` answers an all-gather with one and the same
     tensor for every worker, so every worker would decode and deduplicate the very same rows
     into the very same positions: O(n · n·k_r log) per step for n workers instead of a
     cluster rank's O(n·k_r log). The first worker's own framing computes the union; the

@@ -121,17 +121,4 @@ def _cluster(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if stale:
         print(f"note: {len(stale)} namespace(s) left by a killed run; remove them with "
               f"`{parser.prog} --remove-stale`")  # fmt: skip
-    command = " ".join(["microsparse", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
-    try:
-        run_benchmark(config, log=lambda line: print(line, flush=True), command=command)
-    except OSError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 1
-    except (BenchError, netns.NetnsError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as interrupt:
-        signum = getattr(interrupt, "signum", 2)
-        print(f"{parser.prog}: interrupted; removed every namespace it made", file=sys.stderr)
-        return 128 + signum
-    return 0
+    return bench_options.on_testbed(parser, run_benchmark, config, (BenchError,))

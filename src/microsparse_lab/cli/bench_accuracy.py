@@ -7,7 +7,7 @@ import sys
 import time
 
 from microsparse_lab import arguments
-from microsparse_lab.bench import accuracy, netns
+from microsparse_lab.bench import accuracy
 from microsparse_lab.bench.cluster import BenchError, refusal
 from microsparse_lab.cli import bench_options
 from microsparse_lab.reports import RunError
@@ -82,14 +82,4 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if problem:
         print(f"{parser.prog}: error: {problem}", file=sys.stderr)
         return 2
-    command = " ".join(["microsparse", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
-    try:
-        accuracy.run_accuracy(config, log=lambda line: print(line, flush=True), command=command)
-    except KeyboardInterrupt as interrupt:
-        signum = getattr(interrupt, "signum", 2)
-        print(f"{parser.prog}: interrupted; removed every namespace it made", file=sys.stderr)
-        return 128 + signum
-    except (BenchError, netns.NetnsError, RunError, OSError) as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return bench_options.on_testbed(parser, accuracy.run_accuracy, config, (BenchError, RunError))

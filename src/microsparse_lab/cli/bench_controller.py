@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from microsparse.sparsifiers.threshold import THRESHOLD_RULES
+from microsparse.sparsifiers import THRESHOLD_RULES
 from microsparse_lab import arguments
 from microsparse_lab.bench import controller
 from microsparse_lab.bench.capture import CaptureError

@@ -148,6 +148,27 @@ def finish(
     return 0
 
 
+def on_testbed(
+    parser: argparse.ArgumentParser,
+    measure: Callable[..., Any],
+    config: Any,
+    errors: tuple[type[BaseException], ...],
+) -> int:
+    """Run ``measure(config, log=..., command=...)`` on the namespace test bed: 1 (the error in
+    one line) where it fails with one of ``errors``, 128 + the signal where interrupted."""
+    command = " ".join(["microsparse", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else ""
+    try:
+        measure(config, log=lambda line: print(line, flush=True), command=command)
+    except KeyboardInterrupt as interrupt:
+        signum = getattr(interrupt, "signum", 2)
+        print(f"{parser.prog}: interrupted; removed every namespace it made", file=sys.stderr)
+        return 128 + signum
+    except (netns.NetnsError, OSError, *errors) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,

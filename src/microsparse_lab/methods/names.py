@@ -175,13 +175,8 @@ def parse_variant(label: str) -> Variant:
         {'capacity_factor': 1.5, 'partitioning': 'contiguous'}
     """
     name, _, rest = label.partition("(")
-    if not rest.endswith(")"):
-        raise ValueError(f"{label!r}: expected name(key=value,...)")
     options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest[:-1].split(","))):
-        key, equals, value = item.partition("=")
-        if not equals:
-            raise ValueError(f"{label!r}: option {item!r} is not key=value")
+    for key, value in _arguments(label, rest).items():
         try:
             options[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

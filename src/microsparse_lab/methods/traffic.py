@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from microsparse.comm.collectives import all_reduce_bytes
+from microsparse.comm import all_reduce_bytes
 from microsparse_lab.methods.names import PEERS, Method, parse_method
 
 MIB = 1 << 20

@@ -44,7 +44,8 @@ class RunError(ValueError):
 
 @dataclass(frozen=True)
 class Metric:
-    """The quality metric of a task: its name in ``epochs.jsonl`` and its direction."""
+    """The quality metric of a task: its name (the key in ``epochs.jsonl`` and
+    ``summary.json``) and its direction."""
 
     name: str
     higher_is_better: bool

@@ -11,10 +11,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from microsparse.sparsifiers import available_sparsifiers
-from microsparse.sparsifiers.micro import INDEX_MESSAGES, SELECTIONS, WIRES
-from microsparse.sparsifiers.partition import PARTITIONINGS
-from microsparse.sparsifiers.threshold import THRESHOLD_RULES
+from microsparse.sparsifiers import (
+    INDEX_MESSAGES,
+    PARTITIONINGS,
+    SELECTIONS,
+    THRESHOLD_RULES,
+    WIRES,
+    available_sparsifiers,
+)
 from microsparse_lab import arguments
 from microsparse_lab.arguments import option
 from microsparse_lab.methods.names import PEERS, parse_method

@@ -55,9 +55,9 @@ class RunLog:
         self._metrics = open(self.out / "metrics.jsonl", "w", buffering=1, encoding="utf-8")
         self._epoch_file = open(self.out / "epochs.jsonl", "w", buffering=1, encoding="utf-8")
         for record in self.records:
-            self._metrics.write(json.dumps(_json_safe(record)) + "\n")
+            self._metrics.write(json.dumps(json_safe(record)) + "\n")
         for record in self.epochs:
-            self._epoch_file.write(json.dumps(_json_safe(record)) + "\n")
+            self._epoch_file.write(json.dumps(json_safe(record)) + "\n")
         self._epoch_started = time.perf_counter()
         self._bar = tqdm(
             total=total_steps,
@@ -87,7 +87,7 @@ class RunLog:
             **stats.as_record(),
         }
         self.records.append(record)
-        self._metrics.write(json.dumps(_json_safe(record)) + "\n")
+        self._metrics.write(json.dumps(json_safe(record)) + "\n")
         self._bar.set_postfix(
             {
                 "loss": f"{loss:.3f}",
@@ -114,7 +114,7 @@ class RunLog:
         }
         self._epoch_started = now
         self.epochs.append(record)
-        self._epoch_file.write(json.dumps(_json_safe(record)) + "\n")
+        self._epoch_file.write(json.dumps(json_safe(record)) + "\n")
         shown = ", ".join(f"{_label(name)} {values[name]:.4f}" for name in _names(self.metrics))
         train_loss = "n/a" if record["train_loss"] is None else f"{record['train_loss']:.4f}"
         say(f"epoch {epoch}: train loss {train_loss}, {shown}, {record['seconds']:.1f} s")
@@ -137,7 +137,7 @@ class RunLog:
         summary.update(parameters=parameters, target=self.records[-1]["target"])
         if speed_choice is not None:
             summary["min_speedup"] = speed_choice
-        (self.out / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2) + "\n")
+        (self.out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2) + "\n")
         say(format_summary(summary, self.out))
 
 
@@ -320,12 +320,12 @@ def _read_records(path: Path, key: str, before: int) -> list[dict[str, Any]]:
     return [record for record in records if record[key] < before]
 
 
-def _json_safe(value: Any) -> Any:
-    """Replace NaN and infinities (not valid JSON) by None, recursively."""
+def json_safe(value: Any) -> Any:
+    """Replace NaN and infinities (not valid JSON) by None, recursively; keys become strings."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
+        return {str(key): json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
+        return [json_safe(item) for item in value]
     return value

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from microsparse.comm.collectives import all_reduce_bytes
+from microsparse import GradientReducer
+from microsparse.comm import all_reduce_bytes
 from microsparse.ddp import SparseState, sparse_hook
-from microsparse.engine.stats import dense_stats
+from microsparse.engine import dense_stats
 from microsparse.fsdp import ShardedState
-from microsparse.reducer import GradientReducer
 from microsparse.stats import StepStats
 from microsparse_lab.methods.hooks import attach_method
 from microsparse_lab.methods.names import parse_method

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import microsparse.fsdp
-from microsparse.comm.collectives import all_reduce_bytes
-from microsparse.engine.stats import dense_stats
+from microsparse.comm import all_reduce_bytes
+from microsparse.engine import dense_stats
 from microsparse.fsdp import ShardedState
 from microsparse.stats import StepStats
 

@@ -15,12 +15,11 @@ from typing import Any
 
 import torch
 
-from microsparse.comm.local import SymmetricPeers
+from microsparse.comm import SymmetricPeers
 from microsparse.engine import SparseOutput, SparseStep, run_blocking
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
-from microsparse.sparsifiers import create_sparsifier
-from microsparse.sparsifiers.threshold import initial_threshold
+from microsparse.sparsifiers import create_sparsifier, initial_threshold
 from microsparse_lab.bench.gpu.budget import Budget
 from microsparse_lab.bench.gpu.correctness import REFERENCE
 from microsparse_lab.bench.workload import calibrate, model_layout, synthetic_gradient

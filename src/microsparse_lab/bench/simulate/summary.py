@@ -8,7 +8,7 @@ import statistics
 from dataclasses import asdict
 from typing import Any
 
-from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes, broadcast_bytes
+from microsparse.comm import all_gather_bytes, all_reduce_bytes, broadcast_bytes
 from microsparse_lab.bench import costmodel
 from microsparse_lab.bench.virtual import StepRecord
 

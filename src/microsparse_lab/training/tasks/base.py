@@ -11,13 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class Metric:
-    """An evaluation metric's name (the key in ``epochs.jsonl`` and ``summary.json``)."""
-
-    name: str
-    higher_is_better: bool
+from microsparse_lab.reports.runs import Metric
 
 
 @dataclass(frozen=True)
