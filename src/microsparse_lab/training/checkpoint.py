@@ -317,10 +317,10 @@ def _other_mesh(saved: dict[str, int] | None, mesh: dict[str, int]) -> str:
             "--integration it was written with"
         )
     return (
-        f"the checkpoint was written by {saved['replicate']} replicas of {saved['shard']} "
-        f"shards, but this run has {mesh['replicate']} of {mesh['shard']}: the shards would "
-        f"not match; resume with --shards {saved['shard']} and "
-        f"{saved['replicate'] * saved['shard']} ranks"
+        f"the checkpoint's model is sharded with --shards {saved['shard']} "
+        f"({saved['replicate']} replicas), this run's with --shards {mesh['shard']} "
+        f"({mesh['replicate']} replicas), whose shards would not match; resume with --shards "
+        f"{saved['shard']} and {saved['replicate'] * saved['shard']} ranks"
     )
 
 
