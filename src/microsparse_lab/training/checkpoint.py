@@ -46,7 +46,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from microsparse import OwnRank
-
 from microsparse_lab.training.rundir import (
     ForeignFileError,
     describe_foreign,
