@@ -8,6 +8,14 @@
   what the epoch carries between steps (an LSTM's hidden state);
 - ``meta.json``: the position and config, for people and for ``microsparse train --resume``.
 
+A model sharded by FSDP2 (``--integration fsdp``) has no whole copy to put in ``shared.pt``:
+its parameters, the optimiser's state and every rank's averaging state are written by
+``torch.distributed.checkpoint`` (DCP: ``.metadata`` and ``__<rank>_<n>.distcp`` files beside the
+others; the averaging state through :class:`microsparse.OwnRank`, under each rank's own key).
+``shared.pt`` then holds the position, seconds, config and the mesh's shape (``mesh``, also in
+``meta.json``); ``rank{r}.pt`` the RNG states, buffers and epoch state as above. A resumed run
+must shard the model alike: another mesh is refused, naming the ``--shards`` to resume with.
+
 Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(...,
 weights_only=True)`` reads them. Every rank must see ``OUT`` (one machine, or a shared file
 system).
@@ -33,8 +41,11 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from microsparse import OwnRank
 from microsparse_lab.training.rundir import (
     ForeignFileError,
     describe_foreign,
@@ -85,8 +96,10 @@ def save_checkpoint(
     shared: dict[str, Any],
     own: dict[str, Any],
     meta: dict[str, Any],
+    sharded: dict[str, Any] | None = None,
 ) -> None:
-    """Collective: every rank writes ``own``; rank 0 also ``shared`` and ``meta``."""
+    """Collective: every rank writes ``own`` (and its part of ``sharded``, a DCP state dict);
+    rank 0 also ``shared`` and ``meta``."""
     rank = dist.get_rank()
     final = Path(out, CHECKPOINT)
     staging = final.with_name(CHECKPOINT + ".new")
@@ -96,6 +109,8 @@ def save_checkpoint(
         staging.mkdir(parents=True)
     dist.barrier()
     _write(staging / f"rank{rank}.pt", lambda f: torch.save(own, f))
+    if sharded is not None:  # collective; DCP's writer flushes its files to disk
+        dcp.save(sharded, checkpoint_id=staging)
     dist.barrier()  # every rank's file is on disk before meta.json says the whole is
     if rank == 0:
         _write(staging / "shared.pt", lambda f: torch.save(shared, f))
@@ -204,6 +219,15 @@ def verify_checkpoint(out: str | Path, world_size: int) -> None:
     assert directory is not None
     for name in ["shared.pt"] + [f"rank{r}.pt" for r in range(world_size)]:
         read_part(directory / name)
+    if "mesh" in read_part(directory / "shared.pt"):  # a sharded model's: DCP's index too
+        try:
+            dcp.FileSystemReader(directory).read_metadata()
+        except Exception as error:  # noqa: BLE001 - missing, truncated, unpicklable
+            raise CheckpointError(
+                f"{directory / '.metadata'} cannot be read ({type(error).__name__}): the "
+                f"checkpoint is damaged; delete {directory} to start afresh, or restore it "
+                "from a copy"
+            ) from None
 
 
 class Stateful(Protocol):
@@ -214,12 +238,17 @@ class Stateful(Protocol):
 
 @dataclass
 class Resumable:
-    """What a training rank checkpoints: the model, its optimiser and its gradient averaging."""
+    """What a training rank checkpoints: the model, its optimiser and its gradient averaging.
+
+    ``mesh``: the (replicate, shard) sizes of a model sharded by FSDP2, saved through DCP (see
+    the module docstring); None for a whole model on every rank.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     averaging: Stateful
     device: torch.device
+    mesh: dict[str, int] | None = None
 
     def save(
         self,
@@ -230,30 +259,68 @@ class Resumable:
         config: dict[str, Any],
     ) -> None:
         """Collective: checkpoint this rank at ``position`` into ``OUT/checkpoint``."""
-        shared = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "position": asdict(position),
-            "seconds": seconds,
-            "config": config,
-        }
+        shared: dict[str, Any] = {"position": asdict(position), "seconds": seconds,
+                                  "config": config}  # fmt: skip
         own = {
-            "averaging": self.averaging.state_dict(),
             "rng": rng_state(self.device),
             "buffers": dict(self.model.named_buffers()),
             "epoch": epoch_state,
         }
         meta = {**asdict(position), "world_size": dist.get_world_size(), "config": config}
-        save_checkpoint(out, shared, own, meta)
+        if self.mesh is not None:
+            shared["mesh"] = meta["mesh"] = self.mesh
+            save_checkpoint(out, shared, own, meta, self._sharded())
+            return
+        shared = {"model": self.model.state_dict(),
+                  "optimizer": self.optimizer.state_dict(), **shared}  # fmt: skip
+        save_checkpoint(out, shared, {"averaging": self.averaging.state_dict(), **own}, meta)
 
     def restore(
-        self, shared: dict[str, Any], own: dict[str, Any]
+        self, shared: dict[str, Any], own: dict[str, Any], out: str | Path | None = None
     ) -> tuple[Position, dict[str, Any] | None, float]:
-        """Load a checkpoint's states; returns its position, epoch state and seconds so far."""
-        self.optimizer.load_state_dict(shared["optimizer"])
-        self.averaging.load_state_dict(own["averaging"])
+        """Load a checkpoint's states (a sharded model's too, from ``out``'s checkpoint);
+        returns its position, epoch state and seconds so far."""
+        if self.mesh is None:
+            self.optimizer.load_state_dict(shared["optimizer"])
+            self.averaging.load_state_dict(own["averaging"])
+        else:
+            assert out is not None
+            self._load_sharded(shared, own, out)
         set_rng_state(own["rng"], self.device)
         return Position(**shared["position"]), own["epoch"], float(shared["seconds"])
+
+    def _sharded(self) -> dict[str, Any]:
+        """This rank's shards of the model and optimiser state, and its averaging state under
+        its own key, as DCP saves and loads them in place."""
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "averaging": OwnRank(self.averaging)}
+
+    def _load_sharded(self, shared: dict[str, Any], own: dict[str, Any], out: str | Path) -> None:
+        saved = shared.get("mesh")
+        if saved != self.mesh:
+            raise CheckpointError(_other_mesh(saved, self.mesh))
+        state = self._sharded()
+        dcp.load(state, checkpoint_id=checkpoint_dir(out))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])  # fmt: skip
+        # DCP kept one rank's copy of each (unsharded) buffer; batch-norm statistics differ.
+        buffers = dict(self.model.named_buffers())
+        for name, value in own["buffers"].items():
+            buffers[name].copy_(value)
+
+
+def _other_mesh(saved: dict[str, int] | None, mesh: dict[str, int]) -> str:
+    if saved is None:
+        return (
+            "the checkpoint holds a whole model, not one sharded by FSDP2: resume it with the "
+            "--integration it was written with"
+        )
+    return (
+        f"the checkpoint's model is sharded with --shards {saved['shard']} "
+        f"({saved['replicate']} replicas), this run's with --shards {mesh['shard']} "
+        f"({mesh['replicate']} replicas), whose shards would not match; resume with --shards "
+        f"{saved['shard']} and {saved['replicate'] * saved['shard']} ranks"
+    )
 
 
 def load_model(model: nn.Module, shared: dict[str, Any], own: dict[str, Any]) -> None:

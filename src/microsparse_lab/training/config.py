@@ -353,21 +353,11 @@ def _check_integration(config: TrainConfig) -> None:
 
 
 def _check_sharding(config: TrainConfig) -> None:
-    """What an FSDP2 run takes, and what it does not take yet."""
+    """What an FSDP2 run takes (its checkpoints record the mesh: a resumed run on another
+    is refused by the loop, naming the --shards to resume with)."""
     fsdp = config.integration == "fsdp"
     _require(config.shards is None or fsdp, "shards", "is an option of --integration fsdp")
     _require(config.shards is None or _whole(config.shards, 1), "shards", "must be >= 1")
-    if not fsdp:
-        return
-    for name, undo in (
-        ("checkpoint_every", "drop --checkpoint-every"),
-        ("checkpoint_per_epoch", "drop --checkpoint-every epoch"),
-        ("resume", "drop --resume"),
-    ):
-        _require(not getattr(config, name), name,
-                 "train --integration fsdp writes no checkpoints yet (save the sharded model "
-                 "and microsparse.OwnRank(state) with torch.distributed.checkpoint in your own "
-                 f"loop, docs/FSDP.md): {undo}")  # fmt: skip
 
 
 def _check_recipe(config: TrainConfig) -> None:

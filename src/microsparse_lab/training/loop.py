@@ -31,7 +31,7 @@ from microsparse_lab.training.checkpoint import Position, Resumable, load_checkp
 from microsparse_lab.training.config import TrainConfig
 from microsparse_lab.training.log import RunLog
 from microsparse_lab.training.optim import build_optimizer, learning_rate
-from microsparse_lab.training.sharding import HybridSharding, sharded
+from microsparse_lab.training.sharding import HybridSharding, mesh_of, mesh_shape, sharded
 from microsparse_lab.training.tasks import EpochSlice, Task, get_task
 
 __all__ = ["TrainConfig", "train"]
@@ -56,16 +56,17 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     if data is None:
         data = task.load(config.data_dir, config.task_options)
     model = _same_model_everywhere(task, config, data, rank, device)
-    if config.resume:  # parameters first: DDP broadcasts rank 0's when it wraps the model
+    if config.resume:
         shared, own = load_checkpoint(config.out, rank)
-        load_model(model, shared, own)
+        if "model" in shared:  # parameters first: DDP broadcasts rank 0's when it wraps the model
+            load_model(model, shared, own)  # (a sharded model's load once sharded, in restore)
     steps_per_epoch = steps_in_epoch(task, data, config, world_size)
     averaging = Averaging(model, config, steps_per_epoch)
     optimizer = build_optimizer(model, config)
-    run = Resumable(model, optimizer, averaging, device)
+    run = Resumable(model, optimizer, averaging, device, averaging.mesh)
     start, carried, seconds_before = Position(), None, 0.0
     if config.resume:
-        start, carried, seconds_before = run.restore(shared, own)
+        start, carried, seconds_before = run.restore(shared, own, config.out)
     total_steps = config.epochs * steps_per_epoch
     total_steps = total_steps if config.max_steps is None else min(total_steps, config.max_steps)
     capture = None
@@ -173,6 +174,7 @@ class Averaging:
         self._reducer: GradientReducer | None = None
         self._state: SparseState | ShardedState | None = None
         self._peer: PeerAveraging | HybridSharding | None = None
+        self.mesh: dict[str, int] | None = None  # a sharded model's (replicate, shard) sizes
         options: dict[str, Any] = config.sparsifier_options()
         if config.min_speedup is None:  # whose dense passes are DDP's own, which cannot raise
             # A run that diverges stops with the error on every rank (the loop reads every
@@ -191,9 +193,10 @@ class Averaging:
             self._peer = PeerAveraging(model, config.ddp_hook)
             self.model = self._peer.model
         elif config.integration == "fsdp":
-            device = next(model.parameters()).device
-            averaging = sharded(model, config.shards, device, config.sparsifier,
-                                density=config.density, **options)  # fmt: skip
+            mesh = mesh_of(config.shards, next(model.parameters()).device)
+            self.mesh = mesh_shape(mesh)
+            averaging = sharded(model, mesh, config.sparsifier, density=config.density,
+                                **options)  # fmt: skip
             if isinstance(averaging, HybridSharding):
                 self._peer = averaging
             else:

@@ -20,7 +20,8 @@ from pathlib import Path
 MARKER = ".microsparse-run"
 RUN_FILES = ("metrics.jsonl", "epochs.jsonl", "summary.json", "error.log")
 CHECKPOINT_DIRS = ("checkpoint", "checkpoint.new", "checkpoint.old")
-CHECKPOINT_FILES = re.compile(r"meta\.json|shared\.pt|rank\d+\.pt")
+# DCP's files, for a model sharded by FSDP2: its index and each rank's data.
+CHECKPOINT_FILES = re.compile(r"meta\.json|shared\.pt|rank\d+\.pt|\.metadata|__\d+_\d+\.distcp")
 _MARKER_TEXT = "This directory holds a microsparse training run; microsparse writes into it.\n"
 
 

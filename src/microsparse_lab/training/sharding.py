@@ -37,6 +37,12 @@ def mesh_of(shards: int | None, device: torch.device) -> DeviceMesh:
                             mesh_dim_names=("replicate", "shard"))  # fmt: skip
 
 
+def mesh_shape(mesh: DeviceMesh) -> dict[str, int]:
+    """``{"replicate": replicas, "shard": ranks per replica}``: what a checkpoint records, as
+    a resumed run must shard the model alike."""
+    return {name: mesh[name].size() for name in ("replicate", "shard")}
+
+
 def shard(model: nn.Module, mesh: DeviceMesh) -> None:
     """``fully_shard`` every child that holds parameters, then the model, over ``mesh``.
 
@@ -86,10 +92,10 @@ class HybridSharding:
 
 
 def sharded(
-    model: nn.Module, shards: int | None, device: torch.device, sparsifier: str, **options
+    model: nn.Module, mesh: DeviceMesh, sparsifier: str, **options
 ) -> ShardedState | HybridSharding:
-    """Shard ``model`` in place and attach its averaging across replicas."""
-    mesh = mesh_of(shards, device)
+    """Shard ``model`` in place over ``mesh`` (:func:`mesh_of`) and attach its averaging
+    across replicas."""
     if sparsifier == "dense":
         return HybridSharding(model, mesh)
     shard(model, mesh["shard"])
