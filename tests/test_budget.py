@@ -16,7 +16,9 @@ from microsparse.comm.framing import FRAMINGS
 from microsparse.ddp import SparseState
 from microsparse.layout import Layout
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
+from microsparse_lab.bench.accuracy import AccuracyConfig, train_arguments
 from microsparse_lab.cli import main
+from microsparse_lab.methods.names import parse_method
 from microsparse_lab.training.config import ConfigError, TrainConfig
 
 BUDGET = 0.002
@@ -200,3 +202,30 @@ def test_train_with_a_budget_sends_that_share_of_dense_bytes(tmp_path) -> None:
     for record in records:
         assert record["target"] == math.floor(budget / 2 * record["numel"])
         assert record["budget_used"] == pytest.approx(budget, rel=0.05)
+
+
+def test_a_method_name_carries_its_own_budget() -> None:
+    method = parse_method("micro(budget=0.002,wire=compact)@ddp")
+    assert method.budget == 0.002 and method.options == {"wire": "compact"}
+    assert method.amount(0.001) == {"budget": 0.002}
+    assert parse_method("micro").amount(0.001, budget=0.004) == {"budget": 0.004}
+    assert parse_method("micro(density=0.01)").amount(0.001, budget=0.004) == {"density": 0.01}
+    with pytest.raises(ValueError, match="give density or budget, not both"):
+        parse_method("micro(density=0.01,budget=0.002)")
+    with pytest.raises(ValueError, match="budget must be a number > 0"):
+        parse_method("micro(budget=-1)")
+
+
+def test_bench_accuracy_trains_each_method_at_the_budget() -> None:
+    config = AccuracyConfig(rates=("100mbit",), methods=("dense", "micro", "topk"), budget=0.002)
+    assert train_arguments("micro", config)[2:4] == ["--budget", "0.002"]
+    assert "--density" not in train_arguments("topk", config)
+    own = train_arguments("micro(density=0.01)", config)
+    assert own[2:4] == ["--density", "0.01"] and "--budget" not in own
+
+
+def test_bench_accuracy_refuses_density_beside_budget(capsys) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "accuracy", "--density", "0.01", "--budget", "0.002"])
+    assert raised.value.code == 2
+    assert "argument --budget: give --density or --budget, not both" in capsys.readouterr().err
