@@ -186,12 +186,14 @@ def test_train_refuses_density_beside_budget(capsys, tmp_path) -> None:
     assert "argument --budget: give --density or --budget, not both" in capsys.readouterr().err
 
 
-def test_train_with_a_budget_sends_that_share_of_dense_bytes(tmp_path) -> None:
+@pytest.mark.parametrize("integration", ["loop", "ddp"])
+def test_train_with_a_budget_sends_that_share_of_dense_bytes(integration: str, tmp_path) -> None:
     out = tmp_path / "run"
     budget = 0.04  # the default task's small model: enough entries that headers are small
     result = subprocess.run(
         [sys.executable, "-m", "microsparse_lab", "train", "--workers", "2", "--max-steps",
-         "3", "--budget", str(budget), "--no-progress", "--out", str(out)],
+         "3", "--budget", str(budget), "--integration", integration, "--no-progress",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
