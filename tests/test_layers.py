@@ -101,6 +101,7 @@ PUBLIC = (
     "microsparse.fsdp",
     "microsparse.layout",
     "microsparse.lightning",
+    "microsparse.options",
     "microsparse.sparsifiers",
     "microsparse.stats",
 )

@@ -87,13 +87,14 @@ class SparseDDPStrategy:
     :data:`PyTorchLightningSparseDDPStrategy`, which take the same arguments.
 
     Args:
-        density: fraction of the gradient entries sent per step.
+        density: fraction of the gradient entries sent per step (0.001 unless ``budget``
+            is given instead, among the options).
         sparsifier: a name from :func:`microsparse.available_sparsifiers`.
         value_dtype, timeout, nonfinite: as for :class:`microsparse.ddp.SparseState`.
         ddp_kwargs: keyword arguments of Lightning's ``DDPStrategy`` (e.g.
             ``{"find_unused_parameters": True}``).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
-            state's ``momentum_correction``, ``momentum_nesterov``, ``adam_correction``,
+            state's ``budget``, ``momentum_correction``, ``momentum_nesterov``, ``adam_correction``,
             ``density_warmup``, ``one_exchange`` and ``min_speedup``.
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
@@ -115,7 +116,7 @@ class SparseDDPStrategy:
 
     def __init__(
         self,
-        density: float = 0.001,
+        density: float | None = None,
         sparsifier: str = "micro",
         *,
         value_dtype: torch.dtype | None = None,

@@ -10,12 +10,20 @@ hands it to whichever integration it uses::
     reducer = microsparse.GradientReducer(model.parameters(), **options.kwargs())
     state = microsparse.ddp.SparseState(**options.kwargs())
 
+What to send is asked for in one of two ways: ``density``, the fraction of the gradient's
+entries (0.001 unless told), or ``budget``, the fraction of dense averaging's bytes (4 per
+entry, float32). A budget becomes a density through the bytes one entry costs on the chosen
+wire (:meth:`~microsparse.sparsifiers.Sparsifier.entry_bytes`): density = budget · 4 /
+bytes per entry, e.g. budget 0.002 is density 0.001 on the plain wire (an int32 index and a
+float32 value) and 0.002 on MiCRO's compact wire (a 16-bit offset and a bfloat16 value).
+
 At density 1 every sparsifier averages densely (one all-reduce, as DDP does), so the options
 that need a residual (momentum and Adam correction, a density warm-up) are refused there.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
@@ -29,7 +37,27 @@ from microsparse.sparsifiers import Sparsifier, create_sparsifier
 from microsparse.sparsifiers.base import validate_density
 from microsparse.sparsifiers.warmup import DensityWarmup
 
+__all__ = ["DEFAULT_DENSITY", "DENSE_ENTRY_BYTES", "SparseOptions", "validate_budget"]
+
 VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
+DEFAULT_DENSITY = 0.001
+DENSE_ENTRY_BYTES = 4
+"""Bytes dense averaging sends per gradient entry (float32): what a budget is a fraction of."""
+
+
+def validate_budget(budget: float) -> float:
+    """Return ``budget`` as a float, or raise naming the argument and what it means."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget must be a number > 0, a fraction of dense's bytes (e.g. 0.002), got {budget!r}"
+        )
+    budget = float(budget)
+    if not math.isfinite(budget) or budget <= 0.0:
+        raise ValueError(
+            f"budget must be > 0, a fraction of dense's bytes (e.g. 0.002 sends 0.2 % of them), "
+            f"got {budget!r}"
+        )
+    return budget
 
 
 @dataclass(frozen=True)
@@ -37,7 +65,9 @@ class SparseOptions:
     """What to send and how: the sparsifier, its density and options, and the corrections.
 
     Built from the keywords every integration takes, checked on construction (normalised:
-    numbers as floats, ``density_warmup`` as a ``DensityWarmup``).
+    numbers as floats, ``density_warmup`` as a ``DensityWarmup``). Give ``density`` or
+    ``budget``, not both: ``density`` then holds the density the budget resolved to, and
+    ``budget`` stays as given (None where a density was).
     ``owner`` names the caller and its own keywords, so that a misspelt keyword is reported
     with the closest spelling among everything the caller takes.
 
@@ -47,6 +77,10 @@ class SparseOptions:
         (0.9, False)
         >>> SparseOptions.from_dict(options.to_dict()) == options
         True
+        >>> SparseOptions("micro", budget=0.002).density   # 8 bytes an entry: int32 + float32
+        0.001
+        >>> SparseOptions("micro", budget=0.002, options={"wire": "compact"}).density
+        0.002
         >>> SparseOptions("micro", 1.0, momentum_correction=0.9)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -54,7 +88,8 @@ class SparseOptions:
     """
 
     sparsifier: str = "micro"
-    density: float = 0.001
+    density: float | None = None
+    """The fraction of entries to send (0.001 where neither it nor ``budget`` is given)."""
     value_dtype: torch.dtype | None = None
     nonfinite: NonFinite = "skip"
     momentum_correction: float = 0.0
@@ -63,6 +98,8 @@ class SparseOptions:
     density_warmup: DensityWarmup | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     """The sparsifier's own options (e.g. MiCRO's ``selection``)."""
+    budget: float | None = None
+    """The fraction of dense averaging's bytes to send, instead of ``density``."""
     owner: InitVar[tuple[str, list[str]] | None] = None
 
     DTYPES: ClassVar[dict[str, torch.dtype | None]] = {
@@ -77,16 +114,42 @@ class SparseOptions:
             )
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
-        density = validate_density(self.density)
-        # the sparsifier's errors now, with the closest spelling of a misspelt keyword
-        create_sparsifier(self.sparsifier, density, owner=owner, **self.options)
+        density = self._resolved_density(owner)
         momentum = check_momentum(self.momentum_correction)
         adam = None if self.adam_correction is None else check_adam(self.adam_correction)
         warmup = DensityWarmup.of(self.density_warmup)
-        self._set(density=density, momentum_correction=momentum, adam_correction=adam,
+        self._set(density=density, budget=None if self.budget is None else float(self.budget),
+                  momentum_correction=momentum, adam_correction=adam,
                   momentum_nesterov=bool(self.momentum_nesterov), density_warmup=warmup,
                   options=dict(self.options))  # fmt: skip
         self._check_corrections()
+
+    def _resolved_density(self, owner: tuple[str, list[str]] | None) -> float:
+        """``density``, or the density ``budget`` buys on the sparsifier's wire; the
+        sparsifier's errors first, with the closest spelling of a misspelt keyword."""
+        if self.budget is None:
+            density = validate_density(DEFAULT_DENSITY if self.density is None else self.density)
+            create_sparsifier(self.sparsifier, density, owner=owner, **self.options)
+            return density
+        if self.density is not None:
+            raise ValueError(
+                f"give density or budget, not both (got density={self.density!r}, "
+                f"budget={self.budget!r}): a budget sets the density from the bytes an entry "
+                "costs on the wire; leave density out"
+            )
+        budget = validate_budget(self.budget)
+        probe = create_sparsifier(self.sparsifier, 1.0, owner=owner, **self.options)
+        entry = probe.entry_bytes(self.value_dtype)
+        density = budget * DENSE_ENTRY_BYTES / entry
+        if density > 1.0:
+            largest = entry / DENSE_ENTRY_BYTES
+            raise ValueError(
+                f"budget={budget!r} buys more than every entry: {self.sparsifier} sends "
+                f"{entry} bytes an entry on this wire (value_dtype={self.value_dtype}), so its "
+                f"budget is at most {largest:g} (density 1); give a budget up to {largest:g}, "
+                "or density=1 to average densely"
+            )
+        return density
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():
@@ -145,7 +208,9 @@ class SparseOptions:
 
     def kwargs(self) -> dict[str, Any]:
         """The keywords that build these options in any integration."""
-        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        asked = "density" if self.budget is not None else "budget"  # the other one was given
+        named = {f.name: getattr(self, f.name) for f in fields(self)
+                 if f.name not in ("options", asked)}  # fmt: skip
         return {**named, **self.options}
 
     def corrections(self) -> dict[str, Any]:
@@ -167,6 +232,7 @@ class SparseOptions:
             "density": self.density,
             "value_dtype": str(self.value_dtype),
             "nonfinite": self.nonfinite,
+            **({} if self.budget is None else {"budget": self.budget}),
             **self.corrections(),
             **self.options,
         }
@@ -178,7 +244,10 @@ class SparseOptions:
         momentum, nesterov = values.pop("momentum_correction", (0.0, False))
         warmup = values.pop("density_warmup", None)
         adam = values.pop("adam_correction", None)
-        named = {name: values.pop(name) for name in ("sparsifier", "density", "nonfinite")
+        if "budget" in values:  # the density is the budget's, resolved again
+            values.pop("density", None)
+        named = {name: values.pop(name)
+                 for name in ("sparsifier", "density", "budget", "nonfinite")
                  if name in values}  # fmt: skip
         return cls(**named, value_dtype=dtype, momentum_correction=momentum,
                    momentum_nesterov=nesterov, adam_correction=adam, options=values,

@@ -49,7 +49,11 @@ class GradientReducer:
         params: a module, ``module.parameters()`` or ``module.named_parameters()``; the flat
             gradient vector follows this order. Parameters that do not require grad are skipped.
         sparsifier: a name from :func:`microsparse.available_sparsifiers`.
-        density: fraction δ of the d gradient entries to send per step, in (0, 1].
+        density: fraction δ of the d gradient entries to send per step, in (0, 1]
+            (0.001 where neither it nor ``budget`` is given).
+        budget: instead of ``density``, the fraction of dense averaging's bytes (4 per
+            entry) to send per step, e.g. 0.002; the density follows from the bytes an entry
+            costs on the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         process_group: the group to average over; ``None`` is the default group, or a group
             of one when ``torch.distributed`` is not initialised.
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``
@@ -127,8 +131,9 @@ class GradientReducer:
         self,
         params: ParameterSource,
         sparsifier: str = "micro",
-        density: float = 0.001,
+        density: float | None = None,
         *,
+        budget: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         value_dtype: torch.dtype | None = None,
         collectives: Collectives | None = None,
@@ -144,7 +149,7 @@ class GradientReducer:
             raise ValueError("pass process_group or collectives, not both")
         self.sparse_options = SparseOptions(
             sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
-            adam_correction, density_warmup, options, owner=keywords_of(type(self)),
+            adam_correction, density_warmup, options, budget, owner=keywords_of(type(self)),
         )  # fmt: skip
         """Every option of the sparse step, checked."""
         opts = self.sparse_options

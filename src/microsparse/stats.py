@@ -120,6 +120,11 @@ class StepStats:
     skipped: bool = False
     """A NaN or Inf in some rank's gradient (or ranks at different steps) skipped the step:
     every residual is as it was before it, and the average is NaN where it was written."""
+    payload_bytes: int = 0
+    """Bytes of every message of the step, each rank's counted once whatever the algorithm
+    that carries it: all ranks' index messages (headers and padding included), the K values,
+    the guard's and any agreement's or plan's; 0 where not known (a peer hook's step). Over
+    4 · d it is the share of dense's bytes a ``budget`` asks for (:attr:`budget_used`)."""
 
     def __getattribute__(self, name: str) -> Any:
         # Fields a step left on the device are read the first time they are asked for.
@@ -172,6 +177,12 @@ class StepStats:
         """Bytes sent relative to a dense ring all-reduce (NaN for a single worker)."""
         return self.bytes_sent / self.dense_bytes if self.dense_bytes else math.nan
 
+    @property
+    def budget_used(self) -> float:
+        """Payload bytes relative to dense's 4 bytes (float32) per entry, ``payload_bytes /
+        (4 · d)``: what ``SparseOptions(budget=...)`` aims at."""
+        return self.payload_bytes / (4 * self.numel)
+
     def as_record(self) -> dict[str, Any]:
         """A flat, JSON-serialisable dict including the derived quantities."""
         record = asdict(self)
@@ -179,6 +190,6 @@ class StepStats:
         record.update(self.extra)
         record["partition"] = list(self.partition) if self.partition else None
         derived = ("density", "target_density", "ratio_error", "build_up", "padding_overhead")
-        for name in (*derived, "traffic_ratio"):
+        for name in (*derived, "traffic_ratio", "budget_used"):
             record[name] = getattr(self, name)
         return record

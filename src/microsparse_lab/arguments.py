@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, field, fields
 from typing import Any, TypeVar
 
+from microsparse.options import validate_budget
 from microsparse.sparsifiers import validate_density
 
 T = TypeVar("T")
@@ -46,6 +47,14 @@ def number(text: str) -> float:
 def density(text: str) -> float:
     try:
         return validate_density(number(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def budget(text: str) -> float:
+    """A byte budget: a fraction of dense's bytes, > 0 (``microsparse.SparseOptions``)."""
+    try:
+        return validate_budget(number(text))
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

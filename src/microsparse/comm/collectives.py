@@ -90,6 +90,17 @@ class Collective:
             return 0
         return WIRE_BYTES[self.kind](self.tensor.numel() * self.tensor.element_size(), world_size)
 
+    def payload_bytes(self, world_size: int) -> int:
+        """Bytes of what it carries, each rank's message counted once: every rank's row of an
+        all-gather, the one vector of an all-reduce or a broadcast.
+
+        Example:
+            >>> Collective("all_gather", torch.zeros(10, dtype=torch.int32)).payload_bytes(4)
+            160
+        """
+        size = self.tensor.numel() * self.tensor.element_size()
+        return size * world_size if self.kind == "all_gather" else size
+
 
 class Collectives(Protocol):
     """What a driver needs to run a step's requests: a rank, a size and :meth:`run`."""

@@ -84,6 +84,29 @@ class Framing(ABC):
     """Given every rank's count before the exchange, it reads nothing back to the host."""
     value_dtype: torch.dtype | None = None
     """The values' wire dtype where the user names none (None: the gradient's own)."""
+    position_bytes: ClassVar[int] = 4
+    """Nominal bytes of one position on the wire (an int32 index), whatever d and n: headers,
+    padding and chunk counts are left out (see :meth:`entry_bytes`)."""
+
+    @classmethod
+    def entry_bytes(cls, value_dtype: torch.dtype | None = None) -> int:
+        """Nominal bytes of one sent entry: its position and its value as ``value_dtype``
+        (float32 where None, the bytes dense averaging sends per entry).
+
+        The one place a byte budget (``SparseOptions(budget=...)``) is priced. What it leaves
+        out is small and does not grow with k: a fixed message's 3-slot header, a padded
+        message's count round, the guard's 8 bytes a rank, the last share's slot of padding,
+        and a compact message's 2 bytes of count per 65,536 gradient entries (0.00076 % of
+        dense's bytes). ``StepStats.payload_bytes`` counts all of it.
+
+        Example:
+            >>> Fixed.entry_bytes(), Fixed.entry_bytes(torch.bfloat16)
+            (8, 6)
+            >>> Compact.entry_bytes(torch.bfloat16), Dense.entry_bytes()
+            (4, 4)
+        """
+        values = torch.float32 if value_dtype is None else value_dtype
+        return cls.position_bytes + values.itemsize
 
     @abstractmethod
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
@@ -312,6 +335,7 @@ class Compact(Framing):
     name = "compact"
     label = "compact"
     decodes_known_counts = True
+    position_bytes = 2  # a 16-bit offset inside its chunk
 
     def __init__(
         self, ranges: OwnedRanges, capacity: int, value_dtype: torch.dtype | None = torch.bfloat16
@@ -363,6 +387,7 @@ class Shared(Framing):
 
     name = "shared"
     label = "shared"
+    position_bytes = 4  # the leader's plan carries them, as int32
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         local = proposal.local
@@ -392,6 +417,7 @@ class Dense(Framing):
 
     name = "dense"
     label = "dense"
+    position_bytes = 0  # every entry, in order
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         yield from ()  # nothing to exchange: the values are the whole vector

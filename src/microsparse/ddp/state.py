@@ -39,7 +39,11 @@ class SparseState:
     Args:
         sparsifier: a name from :func:`microsparse.available_sparsifiers`.
         density: fraction of the model's gradient entries to send per step, in (0, 1]. At 1
-            every sparsifier averages densely, exactly as DDP does.
+            every sparsifier averages densely, exactly as DDP does. 0.001 where neither it
+            nor ``budget`` is given.
+        budget: instead of ``density``, the fraction of dense averaging's bytes (4 per
+            entry) to send per step, e.g. 0.002; the density follows from the bytes an entry
+            costs on the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
         nonfinite: what a NaN or Inf in any rank's gradient does, as in
@@ -91,9 +95,10 @@ class SparseState:
     def __init__(
         self,
         sparsifier: str = "micro",
-        density: float = 0.001,
+        density: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         *,
+        budget: float | None = None,
         value_dtype: torch.dtype | None = None,
         timeout: float | None = None,
         nonfinite: NonFinite = "skip",
@@ -118,7 +123,7 @@ class SparseState:
             raise ValueError(f"timeout must be None or a number of seconds > 0; got {timeout!r}")
         self.sparse_options = SparseOptions(
             sparsifier, density, value_dtype, nonfinite, momentum_correction, momentum_nesterov,
-            adam_correction, density_warmup, options,
+            adam_correction, density_warmup, options, budget,
             owner=(type(self).__name__, keywords_of(SparseState)[1]),
         )  # fmt: skip
         """Every option of the sparse step, checked."""
@@ -358,7 +363,7 @@ class MicroState(SparseState):
 
     def __init__(
         self,
-        density: float = 0.001,
+        density: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         **keywords: Any,
     ) -> None:
@@ -424,7 +429,8 @@ class PassRecord:
         dense = all_reduce_bytes(self.dense_bytes, world_size)
         target = max(1, math.floor(density * numel))
         return dense_stats(self.step, numel, world_size, target, dense, dense,
-                           extra={"averaging": "dense"})  # fmt: skip
+                           extra={"averaging": "dense"},
+                           payload_bytes=self.dense_bytes)  # fmt: skip
 
     def stats(self, world_size: int) -> StepStats:
         slabs = [(job.slab.engine, report) for job, report in self.reports]

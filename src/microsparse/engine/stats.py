@@ -59,6 +59,7 @@ def step_stats(
         proposed=total("proposed"),
         exchange=largest.framing.label,
         skipped=Pending.combine(any, [r.skipped for r in reports]),
+        payload_bytes=sum(r.payload_bytes for r in reports),
     )
 
 
@@ -70,8 +71,10 @@ def dense_stats(
     bytes_sent: int,
     dense_bytes: int,
     extra: dict[str, Any] | None = None,
+    payload_bytes: int = 0,
 ) -> StepStats:
-    """The statistics of a step that averaged all ``numel`` entries, with no index message.
+    """The statistics of a step that averaged all ``numel`` entries, with no index message;
+    ``payload_bytes``: the vector's bytes where known.
 
     Example:
         >>> stats = dense_stats(3, numel=100, world_size=2, target=1, bytes_sent=400,
@@ -96,4 +99,5 @@ def dense_stats(
         extra={} if extra is None else extra,
         proposed=numel,
         exchange="dense",
+        payload_bytes=payload_bytes,
     )

@@ -111,6 +111,8 @@ class StepReport:
     """Bytes of this rank's message in each kind of request (``Collective.what``)."""
     skipped: bool | Pending = False
     """A NaN or Inf on some rank (or ranks at different steps): nothing changed."""
+    payload_bytes: int = 0
+    """Bytes of the step's messages, each rank's counted once (:meth:`Collective.payload_bytes`)."""
 
 
 class Guard:
@@ -299,6 +301,7 @@ class SparseStep:
             local_proposed=exchanged.local_proposed,
             message_bytes=clock.message_bytes(),
             skipped=False if skipped is None else Pending(skipped.item),
+            payload_bytes=clock.payload(self.world_size),
         )
 
     def _average(
@@ -327,7 +330,8 @@ class SparseStep:
 
     def _skipped(self, clock: _Clock) -> StepReport:
         return StepReport(0, 0, 0, 0, clock.bytes(self.world_size), math.nan, clock.lap(), 0.0,
-                          message_bytes=clock.message_bytes(), skipped=True)  # fmt: skip
+                          message_bytes=clock.message_bytes(), skipped=True,
+                          payload_bytes=clock.payload(self.world_size))  # fmt: skip
 
     def _follow_schedule(self, step: int) -> None:
         """Move k to the schedule's for ``step`` (a function of the step alone, so that a
@@ -406,8 +410,8 @@ class SparseStep:
         numel = flat.numel()
         return StepReport(numel, numel, 0, numel, clock.bytes(self.world_size), math.nan,
                           0.0, clock.lap(), local_proposed=numel,
-                          message_bytes=clock.message_bytes(),
-                          skipped=bool(bad))  # fmt: skip
+                          message_bytes=clock.message_bytes(), skipped=bool(bad),
+                          payload_bytes=clock.payload(self.world_size))  # fmt: skip
 
     def _nonfinite(self, step: int, bad: list[int], fresh: Fresh) -> NonFiniteGradientError:
         if self.rank not in bad:
@@ -511,6 +515,9 @@ class _Clock:
 
     def bytes(self, world_size: int) -> int:
         return sum(request.wire_bytes(world_size) for request in self._requests)
+
+    def payload(self, world_size: int) -> int:
+        return sum(request.payload_bytes(world_size) for request in self._requests)
 
     def message_bytes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}

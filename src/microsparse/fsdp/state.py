@@ -26,9 +26,10 @@ from microsparse.stats import StepStats
 def sparsify(
     model: nn.Module,
     replicate: Any,
-    density: float,
+    density: float | None = None,
     sparsifier: str = "micro",
     *,
+    budget: float | None = None,
     value_dtype: torch.dtype | None = None,
     nonfinite: NonFinite = "skip",
     momentum_correction: float = 0.0,
@@ -49,7 +50,10 @@ def sparsify(
             its ``ProcessGroup``: the ranks that hold the same shard in each replica.
         density: fraction of the gradient entries to send per step, in (0, 1], kept over the
             whole model (each FSDP module's shard gets its share, by size). At 1 every
-            sparsifier averages densely: hybrid sharding's own average.
+            sparsifier averages densely: hybrid sharding's own average. Give it or ``budget``.
+        budget: instead of ``density``, the fraction of dense averaging's bytes (4 per
+            entry) to send per step; the density follows from the bytes an entry costs on
+            the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         sparsifier: a name from :func:`microsparse.available_sparsifiers` (default MiCRO).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``;
             the rounding stays in the residual.
@@ -85,7 +89,7 @@ def sparsify(
     owner = ("microsparse.fsdp.sparsify", keywords_of(sparsify)[1])
     chosen = SparseOptions(sparsifier, density, value_dtype, nonfinite, momentum_correction,
                            momentum_nesterov, adam_correction, density_warmup, options,
-                           owner=owner)  # fmt: skip
+                           budget, owner=owner)  # fmt: skip
     chosen.check_scaler(grad_scaler)
     state = ShardedState(replicate, chosen, grad_scaler)
     state.attach(model)

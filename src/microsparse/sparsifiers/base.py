@@ -58,6 +58,9 @@ class Sparsifier(ABC):
     """
 
     name: ClassVar[str]
+    framing_class: ClassVar[type[Framing] | None] = None
+    """The class of what :meth:`framing` returns, where the options do not choose it: what
+    :meth:`entry_bytes` prices."""
     planned: ClassVar[bool] = False
     yardstick: ClassVar[bool] = False
     """A bound to measure methods against (``oracle``), left out of the benchmarks' defaults."""
@@ -101,6 +104,24 @@ class Sparsifier(ABC):
     @abstractmethod
     def framing(self) -> Framing:
         """How this sparsifier's index message travels (after :meth:`bind`)."""
+
+    def entry_bytes(self, value_dtype: torch.dtype | None = None) -> int:
+        """Nominal bytes of one entry this sparsifier sends, known from its options alone
+        (before :meth:`bind`): its framing's position and the value as ``value_dtype``
+        (:meth:`Framing.entry_bytes`). A byte budget divides by it. A sparsifier whose options
+        choose its framing overrides this.
+
+        Example:
+            >>> from microsparse.sparsifiers import create_sparsifier
+            >>> create_sparsifier("topk", 0.01).entry_bytes(torch.float16)
+            6
+        """
+        if self.framing_class is None:
+            raise TypeError(
+                f"sparsifier {self.name!r} does not state its framing_class, so a byte budget "
+                "cannot price its entries: give density instead, or set framing_class"
+            )
+        return self.framing_class.entry_bytes(value_dtype)
 
     @abstractmethod
     def select(

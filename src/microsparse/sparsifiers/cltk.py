@@ -25,6 +25,7 @@ class CyclicLocalTopK(Sparsifier):
     """
 
     name = "cltk"
+    framing_class = Shared
     planned = True
 
     def __init__(self, density: float) -> None:

@@ -96,6 +96,7 @@ class Deft(Sparsifier):
     """
 
     name = "deft"
+    framing_class = Padded
     planned = True
 
     def bind(self, layout: Layout, rank: int, world_size: int, target: int | None = None) -> None:

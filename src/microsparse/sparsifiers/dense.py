@@ -23,6 +23,7 @@ class Dense(Sparsifier):
     """
 
     name = "dense"
+    framing_class = DenseFraming
 
     def __init__(self, density: float = 1.0) -> None:
         super().__init__(density)

@@ -24,6 +24,7 @@ class HardThreshold(Sparsifier):
     """
 
     name = "hard_threshold"
+    framing_class = Padded
 
     def __init__(self, density: float) -> None:
         super().__init__(density)

@@ -174,11 +174,28 @@ class Micro(Sparsifier):
             return min(math.ceil(target / n), self._largest)
         return math.ceil(self.capacity_factor * target / n) + 8
 
-    def framing(self) -> Framing:
+    def _wire_format(self) -> tuple[type[Framing], torch.dtype | None]:
+        """The framing class ``wire`` and ``index_message`` choose, and the values' dtype
+        where the user names none."""
         if self.wire != "plain":
-            values = torch.bfloat16 if self.wire == "compact" else None
+            return Compact, torch.bfloat16 if self.wire == "compact" else None
+        return (Fixed if self.index_message == "fixed" else Padded), None
+
+    def entry_bytes(self, value_dtype: torch.dtype | None = None) -> int:
+        """As :meth:`Sparsifier.entry_bytes`, for the framing ``wire`` chooses.
+
+        Example:
+            >>> Micro(0.001).entry_bytes(), Micro(0.001, wire="compact").entry_bytes()
+            (8, 4)
+        """
+        framing, values = self._wire_format()
+        return framing.entry_bytes(values if value_dtype is None else value_dtype)
+
+    def framing(self) -> Framing:
+        framing, values = self._wire_format()
+        if framing is Compact:
             return Compact(_Owned(self), self.capacity, values)
-        if self.index_message == "fixed":  # a warm-up's larger k overflows the final message
+        if framing is Fixed:  # a warm-up's larger k overflows the final message
             return Fixed(self.layout.numel, self.capacity, self._capacity(self.final_target))
         return Padded(self.layout.numel)
 

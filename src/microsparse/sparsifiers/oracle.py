@@ -33,6 +33,7 @@ class Oracle(Sparsifier):
     """
 
     name = "oracle"
+    framing_class = Shared
     yardstick = True
 
     def __init__(self, density: float) -> None:

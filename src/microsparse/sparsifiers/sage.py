@@ -49,6 +49,7 @@ class Sage(Sparsifier):
     """
 
     name = "sage"
+    framing_class = Padded
 
     def __init__(self, density: float, sample_size: int | None = None, seed: int = 0) -> None:
         super().__init__(density)

@@ -22,6 +22,7 @@ class TopK(Sparsifier):
     """
 
     name = "topk"
+    framing_class = Padded
 
     def __init__(self, density: float) -> None:
         super().__init__(density)

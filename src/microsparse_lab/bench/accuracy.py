@@ -22,6 +22,8 @@ Example:
     >>> config = AccuracyConfig(rates=("100mbit",), methods=("dense", "micro", "powersgd"))
     >>> train_arguments("micro@ddp", config)[:6]
     ['--task', 'mnist', '--density', '0.001', '--sparsifier', 'micro']
+    >>> train_arguments("micro(budget=0.002)", config)[:4]
+    ['--task', 'mnist', '--budget', '0.002']
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class AccuracyConfig:
     rates: tuple[str, ...] = ("100mbit", "1gbit")
     methods: tuple[str, ...] = DEFAULT_METHODS
     density: float = 0.001
+    budget: float | None = None  # instead of density: a fraction of dense's bytes
     seed: int = 1
     target_fraction: float = TARGET_FRACTION
     train_args: tuple[str, ...] = ()  # given to every ``microsparse train`` (``--epochs 10``)
@@ -90,15 +93,18 @@ class AccuracyConfig:
         if not any(name in ("dense", "dense@fsdp") for name in self.methods):
             raise ValueError("methods: must include dense or dense@fsdp (the target is a "
                              "fraction of its final metric)")  # fmt: skip
+        if self.budget is not None and not self.budget > 0:
+            raise ValueError(f"budget: must be > 0, got {self.budget}")
         if not 0 < self.target_fraction <= 1:
             raise ValueError(f"target_fraction: must be in (0, 1], got {self.target_fraction}")
 
 
 def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
-    """``microsparse train`` options of method ``name`` (task, density, seed and how the
-    gradients are averaged), before ``config.train_args``."""
+    """``microsparse train`` options of method ``name`` (task, density or budget, seed and
+    how the gradients are averaged), before ``config.train_args``."""
     method = parse_method(name)
-    argv = ["--task", config.task, "--density", repr(method.density_or(config.density))]
+    ((key, amount),) = method.amount(config.density, config.budget).items()
+    argv = ["--task", config.task, f"--{key}", repr(amount)]
     if method.kind == "peer":
         argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
     else:

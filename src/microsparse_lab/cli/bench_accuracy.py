@@ -24,9 +24,18 @@ OPTIONS = dict(
         type=bench_options.methods,
         help="dense and what to compare: sparsifiers (loop), NAME@ddp (the hook), NAME@fsdp "
         "(FSDP2, hosts averaging sparsely; dense@fsdp: hybrid sharding), ddp, fp16, bf16, "
-        "powersgd(rank=R); NAME(density=D) trains at D instead of --density",
+        "powersgd(rank=R); NAME(density=D) trains at D instead of --density, "
+        "NAME(budget=B) at byte budget B",
     ),
-    **bench_options.shared("density"),
+    density=dict(  # None when not given, to tell it from --budget
+        **bench_options.shared("density")["density"], default=None,
+        help="fraction of gradient entries sent per step (default: 0.001)",
+    ),
+    budget=dict(
+        type=arguments.budget,
+        help="instead of --density: the fraction of dense's bytes each method sends per "
+        "step (train --budget)",
+    ),
     seed=dict(type=int),
     target_fraction=dict(
         type=arguments.positive_float,
@@ -48,9 +57,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 
 OWNED = (
-    "--task", "--density", "--seed", "--out", "--sparsifier", "--integration", "--ddp-hook",
-    "--workers", "--device", "--config", "--selection", "--threshold-rule", "--partitioning",
-    "--index-message", "--wire",
+    "--task", "--density", "--budget", "--seed", "--out", "--sparsifier", "--integration",
+    "--ddp-hook", "--workers", "--device", "--config", "--selection", "--threshold-rule",
+    "--partitioning", "--index-message", "--wire",
 )  # fmt: skip
 """``microsparse train`` options that ``bench accuracy`` sets itself, per method."""
 
@@ -69,6 +78,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if clash:
         parser.error(f"{', '.join(clash)} after --: set by bench accuracy itself (use its own "
                      "options)")  # fmt: skip
+    if args.density is not None and args.budget is not None:
+        parser.error("argument --budget: give --density or --budget, not both")
     try:  # checked before anything is built, and before the refusal of non-root
         out = args.out or f"runs/bench-accuracy-{time.strftime('%Y%m%d-%H%M%S')}"
         train_args = tuple(args.train_args)

@@ -38,8 +38,9 @@ _FIELDS = {f.name for f in fields(TrainConfig)}
 
 
 _AVERAGING = (
-    "sparsifier", "density", "selection", "threshold_rule", "partitioning", "index_message",
-    "wire", "value_dtype", "momentum_correction", "adam_correction", "density_warmup",
+    "sparsifier", "density", "budget", "selection", "threshold_rule", "partitioning",
+    "index_message", "wire", "value_dtype", "momentum_correction", "adam_correction",
+    "density_warmup",
     "integration", "shards", "ddp_hook", "one_exchange", "min_speedup",
 )  # fmt: skip
 """The TrainConfig fields of the "gradient averaging" options, in the order --help lists."""
@@ -157,6 +158,9 @@ def _config(
             given["out"] = args.resume
         values = config_from_file(args.config) if args.config else {}
         values.update(given)
+        if values.get("density") is not None and values.get("budget") is not None:
+            raise ConfigError("budget", "give --density or --budget, not both: the budget sets "
+                                        "the density; leave --density out")  # fmt: skip
         task, sparsifier = values.get("task", "mnist"), values.get("sparsifier", "micro")
         if values.get("ddp_hook", "microsparse") != "microsparse":
             sparsifier = values["ddp_hook"]

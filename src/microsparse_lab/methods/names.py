@@ -33,6 +33,9 @@ A method name (``train --ddp-hook``, ``bench cluster``, ``bench accuracy``) is o
 
 A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the run's
 ``--density``: so one run (one dense target, the same links) compares densities side by side.
+Or its own byte budget, ``micro(budget=0.002)``, a fraction of dense's bytes
+(``microsparse.SparseOptions``): so wires compare at equal bytes, e.g.
+``micro(budget=0.002)`` and ``micro(budget=0.002,wire=compact)``.
 
 Example:
     >>> method = parse_method("micro(selection=threshold)@ddp")
@@ -42,6 +45,8 @@ Example:
     0.03
     >>> parse_method("micro").density_or(0.001)
     0.001
+    >>> parse_method("micro(budget=0.002)").amount(0.001), parse_method("micro").amount(0.001)
+    ({'budget': 0.002}, {'density': 0.001})
     >>> parse_method("powersgd(rank=4)").rank, parse_method("powersgd").one_bucket
     (4, True)
     >>> parse_method("powersgd(rank=4,start=100)").start
@@ -208,11 +213,22 @@ class Method:
     start: int | None = None  # PowerSGD's plain all-reduce steps, if the name sets them
     one_exchange: bool = False  # the hook's one_exchange: one slab whatever DDP's buckets
     density: float | None = None  # the name's own density (``micro(density=0.03)``), if any
+    budget: float | None = None  # the name's own byte budget (``micro(budget=0.002)``), if any
     min_speedup: float | None = None  # the hook's min_speedup: sparse only where X times faster
 
     def density_or(self, default: float) -> float:
         """The density this method selects at: the name's own, else ``default`` (the run's)."""
         return default if self.density is None else self.density
+
+    def amount(self, density: float, budget: float | None = None) -> dict[str, float]:
+        """How much this method sends, as the one keyword of ``SparseOptions`` that says it:
+        the name's own density or budget, else the run's ``budget`` if given, else its
+        ``density``."""
+        if self.density is not None:
+            return {"density": self.density}
+        if self.budget is not None:
+            return {"budget": self.budget}
+        return {"density": density} if budget is None else {"budget": budget}
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
@@ -271,7 +287,10 @@ def parse_method(name: str) -> Method:
             start = _whole(name, "start", start, 2)
         one_bucket = label == "powersgd" and options.get("buckets", "one") == "one"
         return Method(name, "peer", label, {}, rank, one_bucket, start)
-    base, density = _own_density(name, base)
+    base, density = _own_amount(name, base, "density")
+    base, budget = _own_amount(name, base, "budget")
+    if density is not None and budget is not None:
+        raise ValueError(f"method {name!r}: give density or budget, not both")
     try:
         (variant,) = find_variants((base,), density or 0.001)
     except ValueError:
@@ -282,25 +301,29 @@ def parse_method(name: str) -> Method:
         ) from None
     kind = "hook" if hooked else "loop"
     return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
-                  one_exchange=one_exchange, density=density,
+                  one_exchange=one_exchange, density=density, budget=budget,
                   min_speedup=min_speedup)  # fmt: skip
 
 
-def _own_density(name: str, base: str) -> tuple[str, float | None]:
-    """``base`` without its ``density=`` option, and that density (None if it has none)."""
+def _own_amount(name: str, base: str, key: str) -> tuple[str, float | None]:
+    """``base`` without its ``density=`` (or ``budget=``) option, and that value (None if it
+    has none)."""
     label, _, arguments = base.partition("(")
     options = _arguments(name, arguments)
-    if "density" not in options:
+    if key not in options:
         return base, None
-    text = options.pop("density")
+    text = options.pop(key)
     try:
-        density = float(text)
+        value = float(text)
     except ValueError:
-        density = math.nan
-    if not 0 < density <= 1:
+        value = math.nan
+    if key == "density" and not 0 < value <= 1:
         raise ValueError(f"method {name!r}: density must be a number in (0, 1], got {text!r}")
-    rest = ",".join(f"{key}={value}" for key, value in options.items())
-    return (f"{label}({rest})" if rest else label), density
+    if key == "budget" and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"method {name!r}: budget must be a number > 0 (a fraction of "
+                         f"dense's bytes), got {text!r}")  # fmt: skip
+    rest = ",".join(f"{option}={setting}" for option, setting in options.items())
+    return (f"{label}({rest})" if rest else label), value
 
 
 def _positive(name: str, key: str, text: str) -> float:

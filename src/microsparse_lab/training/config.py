@@ -11,6 +11,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from microsparse.options import DEFAULT_DENSITY, SparseOptions
 from microsparse.sparsifiers import (
     INDEX_MESSAGES,
     PARTITIONINGS,
@@ -83,10 +86,15 @@ class TrainConfig:
         choices=available_sparsifiers,
         help="how gradient entries are selected (default: %(default)s)",
     )
-    density: float = option(
-        0.001,
+    density: float | None = option(  # None: 0.001, or what budget buys (resolved)
         type=arguments.density,
-        help="fraction of gradient entries sent per step, in (0, 1] (default: %(default)s)",
+        help="fraction of gradient entries sent per step, in (0, 1] (default: 0.001)",
+    )
+    budget: float | None = option(  # a resolved config holds the density it bought too
+        type=arguments.budget,
+        help="instead of --density: the fraction of dense's bytes (4 per entry) sent per "
+        "step, e.g. 0.002; the density follows from the bytes an entry costs on the wire "
+        "(8 with int32 indices and float32 values, 6 with --value-dtype)",
     )
     threshold_rule: str | None = option(  # None: the sparsifier's own default
         choices=THRESHOLD_RULES,
@@ -250,6 +258,25 @@ class TrainConfig:
         0, type=arguments.positive_int, help="(default: 1)"
     )
 
+    def _density(self) -> float:
+        """``density``, or the density ``budget`` buys on this run's wire."""
+        if self.budget is None:
+            return DEFAULT_DENSITY if self.density is None else self.density
+        try:
+            value_dtype = None if self.value_dtype is None else getattr(torch, self.value_dtype)
+            bought = SparseOptions(self.sparsifier, budget=self.budget, value_dtype=value_dtype,
+                                   options=self.sparsifier_options()).density  # fmt: skip
+        except (TypeError, ValueError) as error:
+            raise ConfigError("budget", str(error)) from None
+        # a resolved config (a resumed run's) holds the density its budget bought
+        if self.density is not None and self.density != bought:
+            raise ConfigError(
+                "budget",
+                f"give --density or --budget, not both (got density {self.density:g}, budget "
+                f"{self.budget:g}): the budget sets the density; leave --density out",
+            )
+        return bought
+
     def sparsifier_options(self) -> dict[str, Any]:
         given = {
             "selection": self.selection,
@@ -298,6 +325,7 @@ class TrainConfig:
                 self, **filled))  # fmt: skip
         config = dataclasses.replace(
             self,
+            density=self._density(),
             model=model,
             model_options=_options("model_options", task.model_options(model), self.model_options),
             task_options=_options("task_options", task.options, self.task_options),

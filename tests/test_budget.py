@@ -1,0 +1,233 @@
+"""A byte budget: the fraction of dense's bytes to send, turned into a density per wire."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from microsparse import GradientReducer, SparseOptions
+from microsparse.ddp import SparseState
+from microsparse.layout import Layout
+from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
+from microsparse_lab.bench.accuracy import AccuracyConfig, train_arguments
+from microsparse_lab.bench.costmodel import FRAMINGS
+from microsparse_lab.cli import main
+from microsparse_lab.methods.names import parse_method
+from microsparse_lab.training.config import ConfigError, TrainConfig
+
+BUDGET = 0.002
+NUMEL = 1 << 20
+TOLERANCE = 0.02
+"""How far the measured share of dense's bytes may stray from the budget at d = 2**20: what
+the nominal bytes per entry leave out (the guard, a fixed message's header, the last slot of
+padding, a compact message's chunk counts) is under 100 bytes a step here, 1.2 % of 8,389."""
+
+# (MiCRO's options, value_dtype, bytes an entry on that wire)
+WIRES = [
+    ({}, None, 8),  # int32 index, float32 value
+    ({}, torch.bfloat16, 6),
+    ({}, torch.float16, 6),
+    ({"index_message": "padded"}, None, 8),
+    ({"wire": "compact"}, None, 4),  # 16-bit offset, bfloat16 value
+    ({"wire": "compact"}, torch.float16, 4),
+    ({"wire": "compact_positions"}, None, 6),  # 16-bit offset, float32 value
+    ({"wire": "compact_positions"}, torch.bfloat16, 4),
+]
+
+
+def wire_id(case: tuple) -> str:
+    options, dtype, _ = case
+    return "-".join([*(str(v) for v in options.values()), str(dtype).replace("torch.", "")])
+
+
+@pytest.mark.parametrize("case", WIRES, ids=wire_id)
+def test_the_density_is_the_budget_over_the_bytes_of_an_entry(case: tuple) -> None:
+    options, dtype, entry = case
+    chosen = SparseOptions("micro", budget=BUDGET, value_dtype=dtype, options=options)
+    assert chosen.budget == BUDGET
+    assert chosen.density == pytest.approx(BUDGET * 4 / entry, rel=1e-12)
+    assert create_sparsifier("micro", 0.01, **options).entry_bytes(dtype) == entry
+
+
+def test_without_a_budget_the_density_is_as_before() -> None:
+    assert SparseOptions().density == 0.001 and SparseOptions().budget is None
+    assert SparseOptions("micro", 0.01).density == 0.01
+    assert GradientReducer(torch.nn.Linear(50, 4).parameters()).sparsifier.density == 0.001
+
+
+@pytest.mark.parametrize("name", [n for n in available_sparsifiers() if n != "micro"])
+def test_each_sparsifier_prices_the_framing_it_sends(name: str) -> None:
+    sparsifier = create_sparsifier(name, 0.01)
+    sparsifier.bind(Layout.of([("w", torch.zeros(10_000))]), rank=0, world_size=2)
+    framing = type(sparsifier.framing())
+    assert framing is sparsifier.framing_class
+    assert sparsifier.entry_bytes() == framing.position_bytes + 4
+
+
+@pytest.mark.parametrize("case", WIRES, ids=wire_id)
+def test_micro_prices_the_framing_its_wire_chooses(case: tuple) -> None:
+    options, dtype, entry = case
+    micro = create_sparsifier("micro", 0.01, **options)
+    micro.bind(Layout.of([("w", torch.zeros(10_000))]), rank=0, world_size=2)
+    framing = micro.framing()
+    values = dtype if dtype is not None else framing.value_dtype
+    assert type(framing).entry_bytes(values) == entry
+    assert FRAMINGS[framing.label] is type(framing)
+
+
+def _budget_steps(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    torch.manual_seed(rank)
+    measured = []
+    for options, dtype, _ in cases:
+        weight = torch.nn.Parameter(torch.zeros(NUMEL))
+        reducer = GradientReducer([weight], "micro", budget=BUDGET, value_dtype=dtype, **options)
+        for _ in range(3):
+            weight.grad = torch.randn(NUMEL)
+            stats = reducer.synchronize()
+        measured.append({
+            "density": reducer.sparse_options.density, "selected": stats.selected,
+            "target": stats.target, "payload_bytes": stats.payload_bytes,
+            "budget_used": stats.budget_used, "bytes_sent": stats.bytes_sent,
+        })  # fmt: skip
+    return measured
+
+
+def test_the_bytes_each_step_sends_are_the_budget_on_every_wire(tmp_path) -> None:
+    ranks = run_ranks(_budget_steps, 2, tmp_path, WIRES)
+    assert ranks[0] == ranks[1]  # global numbers, identical on every rank
+    for (options, dtype, entry), step in zip(WIRES, ranks[0]):
+        case = wire_id((options, dtype, entry))
+        # the entries: k of the density the budget bought, all sent (quotas)
+        assert step["target"] == math.floor(BUDGET * 4 / entry * NUMEL), case
+        assert step["selected"] == step["target"], case
+        # the bytes: k entries at the nominal price, and a little for headers
+        assert step["payload_bytes"] >= step["selected"] * entry, case
+        assert step["budget_used"] == step["payload_bytes"] / (4 * NUMEL)
+        assert step["budget_used"] == pytest.approx(BUDGET, rel=TOLERANCE), case
+        assert 0 < step["bytes_sent"] < step["payload_bytes"], case  # a ring sends a share
+    plain, compact = ranks[0][0], ranks[0][4]
+    # the compact wire buys twice the entries of the plain one for the same bytes
+    assert abs(compact["selected"] - 2 * plain["selected"]) <= 1  # each floor(k)
+
+
+def test_density_and_budget_are_exclusive_in_every_integration() -> None:
+    with pytest.raises(ValueError, match="give density or budget, not both"):
+        SparseOptions("micro", 0.001, budget=BUDGET)
+    with pytest.raises(ValueError, match="give density or budget, not both"):
+        GradientReducer(torch.nn.Linear(5, 2).parameters(), "micro", 0.01, budget=BUDGET)
+    with pytest.raises(ValueError, match="give density or budget, not both"):
+        SparseState("micro", 0.01, budget=BUDGET)
+
+
+@pytest.mark.parametrize(
+    ("budget", "error", "message"),
+    [
+        (0, ValueError, "budget must be > 0"),
+        (-0.1, ValueError, "budget must be > 0"),
+        (math.nan, ValueError, "budget must be > 0"),
+        (math.inf, ValueError, "budget must be > 0"),
+        ("0.002", TypeError, "budget must be a number"),
+        (True, TypeError, "budget must be a number"),
+        (2.5, ValueError, r"budget=2.5 buys more than every entry.*give a budget up to 2\b"),
+    ],
+)
+def test_bad_budgets_are_refused_by_name(budget: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        SparseOptions("micro", budget=budget)
+
+
+def test_a_budget_too_large_for_a_compact_wire_names_its_own_limit() -> None:
+    with pytest.raises(ValueError, match=r"sends 4 bytes an entry.*up to 1\b.*density=1"):
+        SparseOptions("micro", budget=1.5, options={"wire": "compact"})
+    assert SparseOptions("micro", budget=1.0, options={"wire": "compact"}).averages_densely
+
+
+def test_the_budget_round_trips_and_tells_its_options_apart() -> None:
+    chosen = SparseOptions("micro", budget=BUDGET, value_dtype=torch.bfloat16,
+                           momentum_correction=0.9, options={"selection": "quota"})  # fmt: skip
+    saved = json.loads(json.dumps(chosen.to_dict()))
+    assert saved["budget"] == BUDGET and saved["density"] == chosen.density
+    again = SparseOptions.from_dict(saved)
+    assert again == chosen and again.fingerprint() == chosen.fingerprint()
+    # the same density asked for directly is another option set
+    same_density = SparseOptions("micro", chosen.density, value_dtype=torch.bfloat16,
+                                 momentum_correction=0.9,
+                                 options={"selection": "quota"})  # fmt: skip
+    assert same_density.fingerprint() != chosen.fingerprint()
+    assert "budget" not in same_density.to_dict()
+    # every integration builds the same options from their keywords
+    assert "density" not in chosen.kwargs() and chosen.kwargs()["budget"] == BUDGET
+    reducer = GradientReducer(torch.nn.Linear(50, 4).parameters(), **chosen.kwargs())
+    assert reducer.sparse_options == chosen
+    state = SparseState(**chosen.kwargs())
+    assert state.sparse_options == chosen and state.density == chosen.density
+
+
+def test_a_train_config_resolves_its_budget_once_and_refuses_both() -> None:
+    config = TrainConfig(budget=BUDGET, value_dtype="bfloat16").resolved()
+    assert config.budget == BUDGET and config.density == pytest.approx(BUDGET * 4 / 6)
+    assert config.resolved() == config  # a resumed run's config holds both
+    assert TrainConfig().resolved().density == 0.001
+    with pytest.raises(ConfigError, match="not both") as raised:
+        TrainConfig(density=0.01, budget=BUDGET).resolved()
+    assert raised.value.field == "budget"
+
+
+def test_train_refuses_density_beside_budget(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["train", "--density", "0.01", "--budget", "0.002", "--out", str(tmp_path / "r")])
+    assert raised.value.code == 2
+    assert "argument --budget: give --density or --budget, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("integration", ["loop", "ddp"])
+def test_train_with_a_budget_sends_that_share_of_dense_bytes(integration: str, tmp_path) -> None:
+    out = tmp_path / "run"
+    budget = 0.04  # the default task's small model: enough entries that headers are small
+    result = subprocess.run(
+        [sys.executable, "-m", "microsparse_lab", "train", "--workers", "2", "--max-steps",
+         "3", "--budget", str(budget), "--integration", integration, "--no-progress",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "summary.json").read_text())["config"]
+    assert config["budget"] == budget and config["density"] == budget / 2
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records:
+        assert record["target"] == math.floor(budget / 2 * record["numel"])
+        assert record["budget_used"] == pytest.approx(budget, rel=0.05)
+
+
+def test_a_method_name_carries_its_own_budget() -> None:
+    method = parse_method("micro(budget=0.002,wire=compact)@ddp")
+    assert method.budget == 0.002 and method.options == {"wire": "compact"}
+    assert method.amount(0.001) == {"budget": 0.002}
+    assert parse_method("micro").amount(0.001, budget=0.004) == {"budget": 0.004}
+    assert parse_method("micro(density=0.01)").amount(0.001, budget=0.004) == {"density": 0.01}
+    with pytest.raises(ValueError, match="give density or budget, not both"):
+        parse_method("micro(density=0.01,budget=0.002)")
+    with pytest.raises(ValueError, match="budget must be a number > 0"):
+        parse_method("micro(budget=-1)")
+
+
+def test_bench_accuracy_trains_each_method_at_the_budget() -> None:
+    config = AccuracyConfig(rates=("100mbit",), methods=("dense", "micro", "topk"), budget=0.002)
+    assert train_arguments("micro", config)[2:4] == ["--budget", "0.002"]
+    assert "--density" not in train_arguments("topk", config)
+    own = train_arguments("micro(density=0.01)", config)
+    assert own[2:4] == ["--density", "0.01"] and "--budget" not in own
+
+
+def test_bench_accuracy_refuses_density_beside_budget(capsys) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["bench", "accuracy", "--density", "0.01", "--budget", "0.002"])
+    assert raised.value.code == 2
+    assert "argument --budget: give --density or --budget, not both" in capsys.readouterr().err
