@@ -416,7 +416,8 @@ def scaler_worker(rank: int, n: int) -> dict:
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
-        moved.append(any(not torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())))
+        now = [p.to_local() for p in model.parameters()]
+        moved.append(any(not torch.equal(a, b) for a, b in zip(before, now)))
     return {"scales": scales, "moved": moved, "residuals": residuals,
             "plain_residuals": plain_residuals,
             "params": [p.to_local().detach().clone() for p in model.parameters()]}  # fmt: skip

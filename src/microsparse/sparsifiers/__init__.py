@@ -6,8 +6,8 @@ Example:
     True
 
 The choices of MiCRO's options (``SELECTIONS``, ``INDEX_MESSAGES``, ``WIRES``,
-``PARTITIONINGS``, ``THRESHOLD_RULES``) are exported for command lines that offer them; ``initial_threshold`` is
-exported for benchmarks that time a selection from MiCRO's first step.
+``PARTITIONINGS``, ``THRESHOLD_RULES``) are exported for command lines that offer them;
+``initial_threshold`` is exported for benchmarks that time a selection from MiCRO's first step.
 """
 
 from microsparse.sparsifiers import (  # noqa: F401  (importing a module registers it)

@@ -152,7 +152,10 @@ def run_accuracy(
                 log(f"[{config.hosts} hosts, {rate}] {name}: {time.perf_counter() - started:.0f} s")
         runs = [load_run(runs_dir / _directory(name), label=name) for name in config.methods]
         table = results_table(runs, None, config.target_fraction)
-        links = [_link_row(run, runs_dir / _directory(name)) for name, run in zip(config.methods, runs)]
+        links = [
+            _link_row(run, runs_dir / _directory(name))
+            for name, run in zip(config.methods, runs)
+        ]
         results["rates"].append({
             "rate": rate,
             "target": table.target.value,
@@ -170,10 +173,11 @@ def run_accuracy(
 
 def _link_bytes(cluster: netns.Cluster) -> list[int]:
     """Bytes each host's link has sent so far (its veth's counter, read inside the host)."""
+    counter = "/sys/class/net/{}/statistics/tx_bytes"
     return [
-        int(cluster.run(host, ["cat", f"/sys/class/net/{cluster.interface(host)}/statistics/tx_bytes"]))
+        int(cluster.run(host, ["cat", counter.format(cluster.interface(host))]))
         for host in range(cluster.hosts)
-    ]  # fmt: skip
+    ]
 
 
 class _LinkWatch:
