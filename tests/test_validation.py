@@ -27,10 +27,16 @@ def test_density_out_of_range(density: float) -> None:
         GradientReducer(linear(), "micro", density)
 
 
-@pytest.mark.parametrize("density", ["0.1", None, True])
+@pytest.mark.parametrize("density", ["0.1", True])
 def test_density_not_a_number(density: object) -> None:
     with pytest.raises(TypeError, match="density must be a number"):
         GradientReducer(linear(), "micro", density)  # type: ignore[arg-type]
+
+
+def test_no_density_means_the_default_not_an_error() -> None:
+    # None is "not given" since a budget can stand in for the density
+    assert GradientReducer(linear(), "micro", None).sparse_options.density == 0.001
+    assert GradientReducer(linear(), "micro", budget=0.002).sparse_options.density == 0.001
 
 
 def test_unknown_sparsifier_lists_the_choices() -> None:
