@@ -10,6 +10,8 @@ OUT/params-rank{r}.pt. Modes: ``hook`` (MicroState on the prepared DDP model), `
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -84,10 +86,14 @@ def main() -> None:
     params = [p.detach() for p in accelerator.unwrap_model(model).parameters()]
     out.mkdir(parents=True, exist_ok=True)
     torch.save(params, out / f"params-rank{accelerator.process_index}.pt")
-    # Tear the group down before exit: gloo's threads, left running into the interpreter's
-    # exit, now and then abort the process ("terminate called without an active exception").
+    # Tear the group down and leave without the interpreter's teardown: gloo's threads can
+    # still hold tensors (DDP's buckets, the hook's futures) when Python finalizes, which now
+    # and then aborts a finished process ("terminate called without an active exception").
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
