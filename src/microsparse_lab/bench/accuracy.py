@@ -9,9 +9,10 @@ against epochs and against wall time, and per method the epochs, wall seconds, s
 bytes per worker to a target fixed in advance (``target_fraction`` of the dense run's final
 metric; for a metric where lower is better, 2 − that fraction of it). Each method's bytes
 between hosts per step are read from the hosts' links (their ``tx_bytes``, every header and
-retransmission included) once its first step is logged and again when it ends, so that the
-set-up (rank 0's initial weights, sent to every rank) is left out; they are reported per host
-and step beside the bytes its statistics model.
+retransmission included, and their packets) just after its first step is logged and just after
+its last, so that the set-up (rank 0's initial weights, sent to every rank) and the final
+evaluation are left out; they are reported per host and step beside the bytes its statistics
+model.
 
 A method is named as in :mod:`microsparse_lab.methods.names`: a sparsifier (the loop API), a
 sparsifier with ``@ddp`` (microsparse's DDP hook), or a peer (``ddp``, ``fp16``, ``bf16``,
@@ -153,8 +154,7 @@ def run_accuracy(
         runs = [load_run(runs_dir / _directory(name), label=name) for name in config.methods]
         table = results_table(runs, None, config.target_fraction)
         links = [
-            _link_row(run, runs_dir / _directory(name))
-            for name, run in zip(config.methods, runs)
+            _link_row(run, runs_dir / _directory(name)) for name, run in zip(config.methods, runs)
         ]
         results["rates"].append({
             "rate": rate,
@@ -171,27 +171,32 @@ def run_accuracy(
     return results
 
 
-def _link_bytes(cluster: netns.Cluster) -> list[int]:
-    """Bytes each host's link has sent so far (its veth's counter, read inside the host)."""
-    counter = "/sys/class/net/{}/statistics/tx_bytes"
-    return [
-        int(cluster.run(host, ["cat", counter.format(cluster.interface(host))]))
-        for host in range(cluster.hosts)
-    ]
+def _link_counters(cluster: netns.Cluster) -> list[tuple[int, int]]:
+    """Bytes and packets each host's link has sent so far (its veth's counters, read inside)."""
+    counters = [f"/sys/class/net/{{}}/statistics/{name}" for name in ("tx_bytes", "tx_packets")]
+    readings = []
+    for host in range(cluster.hosts):
+        paths = [counter.format(cluster.interface(host)) for counter in counters]
+        sent, packets = cluster.run(host, ["cat", *paths]).split()
+        readings.append((int(sent), int(packets)))
+    return readings
 
 
 class _LinkWatch:
-    """The hosts' link counters once rank 0 has logged its first step, and at the end.
+    """The hosts' link counters read just after rank 0 logs its first step and its last.
 
-    A thread polls the run's ``metrics.jsonl`` (written a line a step) while it trains; the
-    step count read with the first counters may be one behind the ranks, which shifts the
-    bytes per step by at most one step's share.
+    A thread polls the run's ``metrics.jsonl`` (a line a step, flushed as written) while it
+    trains and reads the counters whenever the line count has grown, keeping a reading only if
+    the count did not move while it was taken. The window runs from the first reading (after
+    step 1: the set-up, rank 0's weights sent to every rank, stays before it) to the last one
+    taken during training (the evaluation after the last step stays after it). Both ends lag
+    the ranks alike, so the window holds whole steps, and no step's bytes are counted against
+    another's.
     """
 
     def __init__(self, cluster: netns.Cluster, metrics: Path) -> None:
         self._cluster, self._metrics = cluster, metrics
-        self._first: tuple[int, list[int]] | None = None
-        self._end: tuple[int, list[int]] | None = None
+        self._readings: list[tuple[int, list[tuple[int, int]]]] = []
         self._started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -203,7 +208,6 @@ class _LinkWatch:
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._end = (self._steps(), _link_bytes(self._cluster))
 
     def _steps(self) -> int:
         """Lines in this training's metrics file (0 before the training has written it)."""
@@ -215,29 +219,40 @@ class _LinkWatch:
             return 0
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.05):
+        seen = 0
+        while not self._stop.wait(0.02):
             steps = self._steps()
-            if steps >= 1:
-                self._first = (steps, _link_bytes(self._cluster))
-                return
+            if steps <= seen:
+                continue
+            counters = _link_counters(self._cluster)
+            if self._steps() == steps:
+                self._readings.append((steps, counters))
+                seen = steps
 
     def result(self) -> dict[str, Any]:
-        """``steps`` counted between the two readings and the bytes each host sent in them."""
-        if self._first is None or self._end is None or self._end[0] <= self._first[0]:
-            return {"steps": 0, "tx_bytes_per_host": None}
-        (first, before), (end, after) = self._first, self._end
-        return {"steps": end - first, "tx_bytes_per_host": [b - a for a, b in zip(before, after)]}
+        """``steps`` between the first and last readings, and the bytes and packets each host
+        sent in them."""
+        if len(self._readings) < 2:
+            return {"steps": 0, "tx_bytes_per_host": None, "tx_packets_per_host": None}
+        (first, before), (last, after) = self._readings[0], self._readings[-1]
+        return {
+            "steps": last - first,
+            "tx_bytes_per_host": [b[0] - a[0] for a, b in zip(before, after)],
+            "tx_packets_per_host": [b[1] - a[1] for a, b in zip(before, after)],
+        }
 
 
 def _link_row(run: Any, run_dir: Path) -> dict[str, Any]:
-    """Bytes between hosts of one training per host and step, measured and modelled."""
+    """Bytes and packets between hosts of one training per host and step, measured, and the
+    bytes modelled."""
     link = json.loads((run_dir / "link.json").read_text())
-    sent, steps = link["tx_bytes_per_host"], link["steps"]
+    sent, packets, steps = link["tx_bytes_per_host"], link.get("tx_packets_per_host"), link["steps"]
     modelled = [record.get("bytes_sent", 0) for record in run.steps]
     return {
         "run": run.label,
         "steps": steps,
         "link_bytes_per_host_step": None if not sent else sum(sent) / len(sent) / steps,
+        "link_packets_per_host_step": None if not packets else sum(packets) / len(packets) / steps,
         "modelled_bytes_per_rank_step": sum(modelled) / max(1, len(modelled)),
     }
 
@@ -246,16 +261,17 @@ def _links_table(links: list[dict[str, Any]]) -> str:
     """Markdown table of :func:`_link_row` rows, with each as a share of the first's bytes."""
     first = links[0]["link_bytes_per_host_step"]
     lines = [
-        "| run | steps read | KB between hosts / host / step | % of the first run's | "
-        "modelled KB / rank / step |",
-        "|---|---:|---:|---:|---:|",
+        "| run | steps read | KB between hosts / host / step | packets / host / step | "
+        "% of the first run's bytes | modelled KB / rank / step |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in links:
-        sent = row["link_bytes_per_host_step"]
+        sent, packets = row["link_bytes_per_host_step"], row.get("link_packets_per_host_step")
         share = "–" if sent is None or not first else f"{100 * sent / first:.2f}"
         lines.append(
             f"| {row['run']} | {row['steps']} | {'–' if sent is None else f'{sent / 1e3:.1f}'} | "
-            f"{share} | {row['modelled_bytes_per_rank_step'] / 1e3:.1f} |"
+            f"{'–' if packets is None else f'{packets:.0f}'} | {share} | "
+            f"{row['modelled_bytes_per_rank_step'] / 1e3:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
