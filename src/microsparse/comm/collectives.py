@@ -84,11 +84,16 @@ class Collective:
     what: str = ""
     root: int = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's tensor: its row of an all-gather, the vector of the others."""
+        return self.tensor.numel() * self.tensor.element_size()
+
     def wire_bytes(self, world_size: int) -> int:
         """Bytes this rank sends for it, modelled for ring algorithms (0 for one worker)."""
         if world_size == 1:
             return 0
-        return WIRE_BYTES[self.kind](self.tensor.numel() * self.tensor.element_size(), world_size)
+        return WIRE_BYTES[self.kind](self.nbytes, world_size)
 
     def payload_bytes(self, world_size: int) -> int:
         """Bytes of what it carries, each rank's message counted once: every rank's row of an
@@ -98,8 +103,7 @@ class Collective:
             >>> Collective("all_gather", torch.zeros(10, dtype=torch.int32)).payload_bytes(4)
             160
         """
-        size = self.tensor.numel() * self.tensor.element_size()
-        return size * world_size if self.kind == "all_gather" else size
+        return self.nbytes * world_size if self.kind == "all_gather" else self.nbytes
 
 
 class Collectives(Protocol):

@@ -522,8 +522,7 @@ class _Clock:
     def message_bytes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}
         for request in self._requests:
-            size = request.tensor.numel() * request.tensor.element_size()
-            sizes[request.what] = sizes.get(request.what, 0) + size
+            sizes[request.what] = sizes.get(request.what, 0) + request.nbytes
         return sizes
 
 
