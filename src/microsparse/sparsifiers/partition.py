@@ -183,13 +183,16 @@ class InterleavedPartitions:
         Example:
             >>> InterleavedPartitions(10, parts=2, block=2).rows(0)
             (2, tensor([0, 4, 8]))
+            >>> InterleavedPartitions(5, parts=4, block=2).rows(3)   # no full block, no tail
+            (2, tensor([], dtype=torch.int64))
         """
         return self.block, self._starts(part, torch.device("cpu"))
 
     def _starts(self, part: int, device: torch.device) -> torch.Tensor:
         starts = self._row_starts.get((part, device))
         if starts is None:
-            rows = torch.arange(part, self.full_blocks, self.parts) * self.block
+            # a vector with fewer full blocks than parts leaves the last partitions none
+            rows = torch.arange(part, max(part, self.full_blocks), self.parts) * self.block
             if self._owns_tail(part):
                 rows = torch.cat([rows, torch.tensor([self.full_blocks * self.block])])
             starts = self._row_starts[(part, device)] = rows.to(device)
