@@ -229,7 +229,8 @@ def test_simulate_compares_options_of_one_sparsifier(tmp_path):
     capture = tmp_path / "capture"
     write_capture(capture, ranks=2, steps=4, sizes=(3000, 40, 960), scale=1e-3)
     out = tmp_path / "simulate"
-    labels = "micro,micro(selection=threshold,partitioning=contiguous,index_message=padded)"
+    labels = ("micro(wire=plain),"
+              "micro(selection=threshold,partitioning=contiguous,index_message=padded)")
     code = main([
         "simulate", "--workers", "4", "--capture", str(capture), "--density", "0.05",
         "--steps", "4", "--warmup", "1", "--sparsifiers", labels, "--value-dtype", "float32",
@@ -237,7 +238,7 @@ def test_simulate_compares_options_of_one_sparsifier(tmp_path):
     ])  # fmt: skip
     assert code == 0
     rows = {r["sparsifier"]: r for r in json.loads((out / "simulate.json").read_text())["rows"]}
-    quota = rows["micro"]
+    quota = rows["micro(wire=plain)"]
     threshold = rows["micro(selection=threshold,partitioning=contiguous,index_message=padded)"]
     assert threshold["options"] == {
         "selection": "threshold", "partitioning": "contiguous", "index_message": "padded"
@@ -359,7 +360,7 @@ def test_overhead_times_a_variant_of_micro(tmp_path):
 def test_the_simulator_counts_the_compact_wire_at_its_own_sizes(tmp_path):
     """16-bit positions and bfloat16 values: half the plain wire's bytes, as the step sends."""
     code = main(["simulate", "--workers", "4", "--steps", "3", "--warmup", "1", "--numel",
-                 "100000", "--sparsifiers", "micro,micro(wire=compact)", "--no-plots",
+                 "100000", "--sparsifiers", "micro(wire=plain),micro", "--no-plots",
                  "--quiet", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     plain, compact = json.loads((tmp_path / "simulate.json").read_text())["rows"]

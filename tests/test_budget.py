@@ -30,11 +30,11 @@ padding, a compact message's chunk counts) is under 100 bytes a step here, 1.2 %
 
 # (MiCRO's options, value_dtype, bytes an entry on that wire)
 WIRES = [
-    ({}, None, 8),  # int32 index, float32 value
-    ({}, torch.bfloat16, 6),
-    ({}, torch.float16, 6),
-    ({"index_message": "padded"}, None, 8),
-    ({"wire": "compact"}, None, 4),  # 16-bit offset, bfloat16 value
+    ({"wire": "plain"}, None, 8),  # int32 index, float32 value
+    ({"wire": "plain"}, torch.bfloat16, 6),
+    ({"wire": "plain"}, torch.float16, 6),
+    ({"index_message": "padded"}, None, 8),  # the plain wire, MiCRO's default for it
+    ({}, None, 4),  # MiCRO's default, the compact wire: 16-bit offset, bfloat16 value
     ({"wire": "compact"}, torch.float16, 4),
     ({"wire": "compact_positions"}, None, 6),  # 16-bit offset, float32 value
     ({"wire": "compact_positions"}, torch.bfloat16, 4),
@@ -55,10 +55,13 @@ def test_the_density_is_the_budget_over_the_bytes_of_an_entry(case: tuple) -> No
     assert create_sparsifier("micro", 0.01, **options).entry_bytes(dtype) == entry
 
 
-def test_without_a_budget_the_density_is_as_before() -> None:
-    assert SparseOptions().density == 0.001 and SparseOptions().budget is None
+def test_given_neither_the_default_budget_buys_the_density() -> None:
+    # 0.2 % of dense's bytes: 0.002 of the entries on MiCRO's compact wire, 0.001 on the plain
+    assert SparseOptions().density == 0.002 and SparseOptions().budget is None
+    assert SparseOptions("micro", options={"wire": "plain"}).density == 0.001
+    assert SparseOptions("topk").density == SparseOptions("cltk").density == 0.001
     assert SparseOptions("micro", 0.01).density == 0.01
-    assert GradientReducer(torch.nn.Linear(50, 4).parameters()).sparsifier.density == 0.001
+    assert GradientReducer(torch.nn.Linear(50, 4).parameters()).sparsifier.density == 0.002
 
 
 @pytest.mark.parametrize("name", [n for n in available_sparsifiers() if n != "micro"])
@@ -139,7 +142,7 @@ def test_density_and_budget_are_exclusive_in_every_integration() -> None:
 )
 def test_bad_budgets_are_refused_by_name(budget: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        SparseOptions("micro", budget=budget)
+        SparseOptions("micro", budget=budget, options={"wire": "plain"})
 
 
 def test_a_budget_too_large_for_a_compact_wire_names_its_own_limit() -> None:
@@ -170,10 +173,11 @@ def test_the_budget_round_trips_and_tells_its_options_apart() -> None:
 
 
 def test_a_train_config_resolves_its_budget_once_and_refuses_both() -> None:
-    config = TrainConfig(budget=BUDGET, value_dtype="bfloat16").resolved()
+    config = TrainConfig(budget=BUDGET, value_dtype="bfloat16", wire="plain").resolved()
     assert config.budget == BUDGET and config.density == pytest.approx(BUDGET * 4 / 6)
     assert config.resolved() == config  # a resumed run's config holds both
-    assert TrainConfig().resolved().density == 0.001
+    assert TrainConfig().resolved().density == 0.002  # the default budget, compact wire
+    assert TrainConfig(wire="plain").resolved().density == 0.001
     with pytest.raises(ConfigError, match="not both") as raised:
         TrainConfig(density=0.01, budget=BUDGET).resolved()
     assert raised.value.field == "budget"
@@ -198,11 +202,11 @@ def test_train_with_a_budget_sends_that_share_of_dense_bytes(integration: str, t
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = json.loads((out / "summary.json").read_text())["config"]
-    assert config["budget"] == budget and config["density"] == budget / 2
+    assert config["budget"] == budget and config["density"] == budget  # 4 bytes an entry
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records:
-        assert record["target"] == math.floor(budget / 2 * record["numel"])
+        assert record["target"] == math.floor(budget * record["numel"])
         assert record["budget_used"] == pytest.approx(budget, rel=0.05)
 
 

@@ -109,7 +109,8 @@ def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
         out = tmp_path / dtype
         extra = [] if dtype == "float32" else ["--value-dtype", dtype]
         result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
-                         "--no-progress", "--out", str(out), *extra)  # fmt: skip
+                         "--wire", "plain", "--no-progress", "--out", str(out),
+                         *extra)  # fmt: skip
         assert result.returncode == 0, result.stderr
         lines = (out / "metrics.jsonl").read_text().splitlines()
         records[dtype] = [json.loads(line) for line in lines]

@@ -160,7 +160,7 @@ def test_float32_values_average_as_the_plain_message(
     averages are equal bit for bit; with three, gloo's ring adds an entry's three values in an
     order that depends on where it lies in the buffer, so they agree to rounding."""
     options = {"partitioning": partitioning}
-    plain = launch(tmp_path / "plain", numel, 0.01, options, world)
+    plain = launch(tmp_path / "plain", numel, 0.01, {**options, "wire": "plain"}, world)
     compact = launch(tmp_path / "compact", numel, 0.01, {**options, "wire": "compact_positions"},
                      world)  # fmt: skip
     assert compact[0]["label"] == "compact" and compact[0]["chunks"] == chunks
@@ -219,7 +219,8 @@ def test_picks_all_in_one_chunk(density: float, chunk: int, tmp_path) -> None:
     chunk 1 is picked entirely."""
     numel, options = 300_000, {"partitioning": "contiguous"}
     span = SPAN if density < 0.4 else SPAN // 2
-    plain = launch(tmp_path / "plain", numel, density, options, world=2, hot=(chunk, span))
+    plain = launch(tmp_path / "plain", numel, density, {**options, "wire": "plain"}, world=2,
+                   hot=(chunk, span))  # fmt: skip
     compact = launch(tmp_path / "compact", numel, density,
                      {**options, "wire": "compact_positions"}, world=2,
                      hot=(chunk, span))  # fmt: skip
@@ -269,9 +270,32 @@ def test_combinations_that_cannot_work_are_refused() -> None:
 
 
 def test_a_plain_micro_keeps_its_fixed_message() -> None:
-    micro = create_sparsifier("micro", 0.01)
+    micro = create_sparsifier("micro", 0.01, wire="plain")
     micro.bind(layout_of(10_000), 0, 2)
     assert isinstance(micro.framing(), Fixed) and micro.framing().value_dtype is None
+
+
+def test_the_compact_wire_is_the_default_where_the_options_can_carry_it() -> None:
+    micro = create_sparsifier("micro", 0.01)
+    micro.bind(layout_of(10_000), 0, 2)
+    assert micro.wire == "compact" and isinstance(micro.framing(), Compact)
+    assert micro.framing().value_dtype == torch.bfloat16 and micro.entry_bytes() == 4
+    # a shared threshold, or the reference's padded message: the plain wire, without asking
+    assert create_sparsifier("micro", 0.01, selection="threshold").wire == "plain"
+    assert create_sparsifier("micro", 0.01, index_message="padded").wire == "plain"
+
+
+def test_more_ranks_than_entries_leave_the_last_partitions_empty(tmp_path) -> None:
+    """2 entries over 4 ranks (d <= n): partitions 2 and 3 own nothing, and their owners'
+    compact messages (no offset) still decode on every rank."""
+    ranks = launch(tmp_path / "compact", 2, 0.5, {}, world=4)
+    plain = launch(tmp_path / "plain", 2, 0.5, {"wire": "plain"}, world=4)
+    for t in range(STEPS):
+        averages = [ranks[r]["steps"][t]["average"] for r in range(4)]
+        assert all(torch.equal(a, averages[0]) for a in averages), t
+        # the plain wire's picks: k = 1 where the share lands on an entry, none where on nothing
+        assert torch.equal(averages[0] != 0, plain[0]["steps"][t]["average"] != 0), t
+        assert ranks[0]["steps"][t]["stats"].selected == plain[0]["steps"][t]["stats"].selected
 
 
 @pytest.mark.parametrize("partitioning", ["interleaved", "contiguous"])
@@ -339,7 +363,7 @@ def unused_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
         model.use_branch = step < 2
         model.zero_grad()
         ddp(torch.randn(8, 64, generator=generator)).pow(2).sum().backward()
-    assert not options or read, "the counts were never read from the compact header"
+    assert options.get("wire") == "plain" or read, "the compact header's counts were never read"
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -358,7 +382,7 @@ def warmup_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("worker", [unused_worker, warmup_worker])
 def test_unused_parameters_and_a_warm_up_average_as_the_plain_message(worker, tmp_path) -> None:
-    plain = run_ranks(worker, 2, tmp_path / "plain", {})
+    plain = run_ranks(worker, 2, tmp_path / "plain", {"wire": "plain"})
     compact = run_ranks(worker, 2, tmp_path / "compact", {"wire": "compact_positions"})
     for a, b in zip(plain, compact):
         assert all(torch.equal(x, y) for x, y in zip(a, b))

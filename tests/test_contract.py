@@ -3,7 +3,10 @@
 The cases are drawn from ``available_sparsifiers()`` when the tests are collected: a sparsifier
 that is one new file plus its registry line is covered here with no edit; options that change
 how a step travels (MiCRO's compact wire) are cases of their own (``VARIANTS``). Each one runs
-with its default options, for a few steps of a small float64 model, in the loop API
+with its default options (MiCRO's values in float64 on the plain wire, ``PINNED``: its default
+compact wire rounds them to bfloat16, held to its own rules in tests/test_compact.py; the
+variant ``compact_positions`` sends the same compact positions with float64 values), for a
+few steps of a small float64 model, in the loop API
 (``GradientReducer.synchronize``) and in the DDP comm hook (``SparseState`` + ``sparse_hook``
 over several buckets), and must keep the rules its base class states:
 
@@ -40,6 +43,9 @@ from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 
 VARIANTS = {"micro(wire=compact_positions)": ("micro", {"wire": "compact_positions"})}
 """Sparsifiers with options that change how a step runs, held to the same contract."""
+PINNED = {"micro": {"wire": "plain"}}
+"""Registered sparsifiers' options where their defaults round the values sent (the bit-exact
+rules below need them unrounded)."""
 NAMES = [*available_sparsifiers(), *VARIANTS]
 WORLD = 2
 DENSITY = 0.01  # k = 15 of d = 1,564 (the hook's slabs: at least 1 each)
@@ -59,7 +65,7 @@ def registered(name: str) -> str:
 
 def options_of(name: str) -> dict[str, Any]:
     """A case's sparsifier options."""
-    return VARIANTS.get(name, (name, {}))[1]
+    return VARIANTS.get(name, (name, PINNED.get(name, {})))[1]
 
 
 def make_model() -> nn.Module:

@@ -250,11 +250,12 @@ def probe_gradient(step: int, rank: int) -> torch.Tensor:
 
 
 def rebuild_worker(
-    rank: int, n: int, name: str, static: bool, steps: int, momentum: float
+    rank: int, n: int, name: str, static: bool, steps: int, momentum: float, wire: str | None
 ) -> dict:
     model = Probe().double()
     ddp = DDP(model, bucket_cap_mb=0.02, static_graph=static)
-    state = mddp.SparseState(name, 0.01, momentum_correction=momentum)
+    options = {} if wire is None else {"wire": wire}
+    state = mddp.SparseState(name, 0.01, momentum_correction=momentum, **options)
     layouts: list[list[tuple[int, ...]]] = []
 
     def logging_hook(state, bucket):  # unannotated: DDP checks annotations as objects
@@ -282,14 +283,18 @@ def rebuild_worker(
 
 
 @pytest.mark.parametrize(
-    ("name", "static", "momentum"),
-    [("micro", False, 0.0), ("micro", True, 0.0), ("topk", False, 0.0), ("micro", False, 0.9)],
-)
+    ("name", "static", "momentum", "wire"),
+    [("micro", False, 0.0, "plain"), ("micro", True, 0.0, "plain"), ("topk", False, 0.0, None),
+     ("micro", False, 0.9, "plain"), ("micro", False, 0.0, None), ("micro", True, 0.0, None)],
+)  # fmt: skip
 def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(
-    name, static, momentum, tmp_path
+    name, static, momentum, wire, tmp_path
 ):
+    """To the bit on the plain wire; on MiCRO's default compact wire each rank's bfloat16
+    rounding stays in its residual, and only the all-reduce's one bfloat16 sum rounds."""
     n, steps = 2, 6
-    ranks = run_ranks(rebuild_worker, n, tmp_path, name, static, steps, momentum)
+    ranks = run_ranks(rebuild_worker, n, tmp_path, name, static, steps, momentum, wire)
+    exact = not (name == "micro" and wire is None)
     layouts = ranks[0]["layouts"]
     assert layouts[-1] != layouts[0] and len(layouts[-1]) > 1  # DDP rebuilt, several slabs
     previous = [torch.zeros(6000, dtype=torch.float64) for _ in range(n)]
@@ -306,11 +311,21 @@ def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(
         # Conservation of error feedback: Σ_r a_r = n · average + Σ_r e_r, through the rebuild.
         accumulated = sum(previous[r] + velocity[r] for r in range(n))
         kept = sum(got[r]["residual"] for r in range(n))
-        torch.testing.assert_close(accumulated, n * got[0]["grad"] + kept, rtol=1e-12, atol=1e-12)
         sent = got[0]["grad"] != 0
         assert int(sent.sum()) == got[0]["selected"], step
+        if exact:
+            torch.testing.assert_close(accumulated, n * got[0]["grad"] + kept, rtol=1e-12,
+                                       atol=1e-12)  # fmt: skip
+        else:  # one bfloat16 addition of two ranks' values: at most 2^-8 of the sum
+            lost = (accumulated - n * got[0]["grad"] - kept).abs()
+            assert torch.all(lost <= 2**-8 * (n * got[0]["grad"]).abs() + 1e-12), step
+            assert lost[sent].max() > 0 and torch.all(lost[~sent] <= 1e-12), step
         for r in range(n):
-            assert torch.all(got[r]["residual"][sent] == 0), step
+            if exact:
+                assert torch.all(got[r]["residual"][sent] == 0), step
+            else:  # the rank's own rounding of what it sent: at most 2^-8 of its value
+                own = (previous[r] + velocity[r])[sent].abs()
+                assert torch.all(got[r]["residual"][sent].abs() <= 2**-8 * own), step
             if momentum:  # factor masking: the velocity restarts where a value was sent
                 velocity[r][sent] = 0
                 # The fused kernel's multiply-add may round once where m·u + g rounds twice.

@@ -41,7 +41,8 @@ def conserving_worker(rank: int, n: int, min_speedup: float, passes: int,
     residuals then in the model's order. Returns the modes and the choice."""
     model = mlp()
     ddp = DDP(model, bucket_cap_mb=0.002, **(ddp_flags or {}))  # several buckets
-    state = mddp.SparseState("micro", 0.05, min_speedup=min_speedup)
+    # the plain wire conserves to the bit (the compact one's bfloat16 sum rounds once)
+    state = mddp.SparseState("micro", 0.05, min_speedup=min_speedup, wire="plain")
     if resume is not None:
         state.load_state_dict(resume[rank][0])
     ddp.register_comm_hook(state, mddp.sparse_hook)

@@ -70,6 +70,7 @@ def run_cases(rank: int, n: int, all_cases: list[dict]) -> list[list[dict]]:
             threshold_rule="quantile" if quota else case["rule"],
             partitioning=case["partitioning"],
             index_message=case["message"],
+            wire="plain",  # float64 values to the bit; the compact wire: tests/test_compact.py
         )
         gradients = make_gradients(case["steps"], n, case["shapes"], seed=index)
         steps = []
@@ -225,7 +226,7 @@ def test_quota_is_exact_far_outside_the_histogram_range(scale: float) -> None:
     2^-40 below it must still send exactly the q_t largest (through the edge bins' cases)."""
     generator = torch.Generator().manual_seed(3)
     param = torch.zeros(50_000, dtype=torch.float64, requires_grad=True)
-    reducer = GradientReducer([param], "micro", 0.002)
+    reducer = GradientReducer([param], "micro", 0.002, wire="plain")  # sent: residual 0
     for _ in range(3):
         param.grad = torch.randn(50_000, generator=generator, dtype=torch.float64) * scale
         accumulated = reducer.residual + param.grad

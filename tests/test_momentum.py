@@ -36,8 +36,9 @@ def gradients_for(n: int, seed: int) -> list[list[np.ndarray]]:
 
 
 def make(params: list[torch.Tensor], momentum: float, nesterov: bool, options: dict, **more):
+    # float64 values to the bit: the plain wire (the compact one rounds them to bfloat16)
     return GradientReducer(params, "micro", 0.1, momentum_correction=momentum,
-                           momentum_nesterov=nesterov, **options, **more)  # fmt: skip
+                           momentum_nesterov=nesterov, wire="plain", **options, **more)  # fmt: skip
 
 
 def set_gradients(params: list[torch.Tensor], flat: np.ndarray) -> None:

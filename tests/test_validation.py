@@ -14,6 +14,7 @@ from microsparse import ConfigMismatchError, GradientReducer, NonFiniteGradientE
 from microsparse.engine import SparseStep
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
+from microsparse.options import DEFAULT_BUDGET
 from microsparse.sparsifiers.cltk import CyclicLocalTopK
 
 
@@ -33,10 +34,15 @@ def test_density_not_a_number(density: object) -> None:
         GradientReducer(linear(), "micro", density)  # type: ignore[arg-type]
 
 
-def test_no_density_means_the_default_not_an_error() -> None:
-    # None is "not given" since a budget can stand in for the density
-    assert GradientReducer(linear(), "micro", None).sparse_options.density == 0.001
-    assert GradientReducer(linear(), "micro", budget=0.002).sparse_options.density == 0.001
+def test_no_density_means_the_default_budget_not_an_error() -> None:
+    # None is "not given": the default budget (0.2 % of dense's bytes) buys the density on the
+    # sparsifier's wire, MiCRO's compact one (4 bytes an entry) or the plain one (8)
+    assert DEFAULT_BUDGET == 0.002
+    assert GradientReducer(linear(), "micro", None).sparse_options.density == 0.002
+    assert GradientReducer(linear(), "micro").sparse_options.density == 0.002
+    assert GradientReducer(linear(), "topk").sparse_options.density == 0.001
+    assert GradientReducer(linear(), "micro", wire="plain").sparse_options.density == 0.001
+    assert GradientReducer(linear(), "micro", budget=0.002).sparse_options.density == 0.002
 
 
 def test_unknown_sparsifier_lists_the_choices() -> None:

@@ -65,7 +65,8 @@ def loop_worker(rank: int, n: int) -> dict:
     out = {}
     for name in SPARSIFIERS:
         params = [torch.zeros(s, dtype=torch.float64, requires_grad=True) for s in SHAPES]
-        reducer = GradientReducer(params, name, DENSITY, density_warmup=WARMUP)
+        wire = {"wire": "plain"} if name == "micro" else {}  # float64 values to the bit
+        reducer = GradientReducer(params, name, DENSITY, density_warmup=WARMUP, **wire)
         steps = []
         for flat in gradients(n, 1):
             for p, chunk in zip(params, torch.from_numpy(flat[rank]).split([300, 600, 113])):

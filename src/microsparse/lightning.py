@@ -87,8 +87,8 @@ class SparseDDPStrategy:
     :data:`PyTorchLightningSparseDDPStrategy`, which take the same arguments.
 
     Args:
-        density: fraction of the gradient entries sent per step (0.001 unless ``budget``
-            is given instead, among the options).
+        density: fraction of the gradient entries sent per step (unless ``budget`` is
+            given instead, among the options; neither: what ``DEFAULT_BUDGET`` buys).
         sparsifier: a name from :func:`microsparse.available_sparsifiers`.
         value_dtype, timeout, nonfinite: as for :class:`microsparse.ddp.SparseState`.
         ddp_kwargs: keyword arguments of Lightning's ``DDPStrategy`` (e.g.

@@ -50,7 +50,8 @@ def sparsify(
             its ``ProcessGroup``: the ranks that hold the same shard in each replica.
         density: fraction of the gradient entries to send per step, in (0, 1], kept over the
             whole model (each FSDP module's shard gets its share, by size). At 1 every
-            sparsifier averages densely: hybrid sharding's own average. Give it or ``budget``.
+            sparsifier averages densely: hybrid sharding's own average. Given neither it nor
+            ``budget``, what ``DEFAULT_BUDGET`` buys.
         budget: instead of ``density``, the fraction of dense averaging's bytes (4 per
             entry) to send per step; the density follows from the bytes an entry costs on
             the sparsifier's wire (see :class:`microsparse.SparseOptions`).

@@ -21,8 +21,10 @@ sparsifier with ``@ddp`` (microsparse's DDP hook), or a peer (``ddp``, ``fp16``,
 
 Example:
     >>> config = AccuracyConfig(rates=("100mbit",), methods=("dense", "micro", "powersgd"))
-    >>> train_arguments("micro@ddp", config)[:6]
-    ['--task', 'mnist', '--density', '0.001', '--sparsifier', 'micro']
+    >>> train_arguments("micro@ddp", config)[:4]   # no amount: train's default
+    ['--task', 'mnist', '--sparsifier', 'micro']
+    >>> train_arguments("micro(density=0.001)", config)[:4]
+    ['--task', 'mnist', '--density', '0.001']
     >>> train_arguments("micro(budget=0.002)", config)[:4]
     ['--task', 'mnist', '--budget', '0.002']
 """
@@ -65,7 +67,7 @@ class AccuracyConfig:
     ranks_per_host: int = 1  # ranks of a host share its namespace and talk over loopback
     rates: tuple[str, ...] = ("100mbit", "1gbit")
     methods: tuple[str, ...] = DEFAULT_METHODS
-    density: float = 0.001
+    density: float | None = None  # None (and no budget): train's default, DEFAULT_BUDGET
     budget: float | None = None  # instead of density: a fraction of dense's bytes
     seed: int = 1
     target_fraction: float = TARGET_FRACTION
@@ -104,8 +106,9 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
     """``microsparse train`` options of method ``name`` (task, density or budget, seed and
     how the gradients are averaged), before ``config.train_args``."""
     method = parse_method(name)
-    ((key, amount),) = method.amount(config.density, config.budget).items()
-    argv = ["--task", config.task, f"--{key}", repr(amount)]
+    argv = ["--task", config.task]
+    for key, amount in method.amount(config.density, config.budget).items():
+        argv += [f"--{key}", repr(amount)]
     if method.kind == "peer":
         argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
     else:

@@ -29,7 +29,8 @@ OPTIONS = dict(
     ),
     density=dict(  # None when not given, to tell it from --budget
         **bench_options.shared("density")["density"], default=None,
-        help="fraction of gradient entries sent per step (default: 0.001)",
+        help="fraction of gradient entries sent per step (default: train's, what 0.2 %% of "
+        "dense's bytes buy)",
     ),
     budget=dict(
         type=arguments.budget,

@@ -220,15 +220,17 @@ class Method:
         """The density this method selects at: the name's own, else ``default`` (the run's)."""
         return default if self.density is None else self.density
 
-    def amount(self, density: float, budget: float | None = None) -> dict[str, float]:
+    def amount(self, density: float | None, budget: float | None = None) -> dict[str, float]:
         """How much this method sends, as the one keyword of ``SparseOptions`` that says it:
         the name's own density or budget, else the run's ``budget`` if given, else its
-        ``density``."""
+        ``density``; nothing where the run gives neither (``SparseOptions``' default)."""
         if self.density is not None:
             return {"density": self.density}
         if self.budget is not None:
             return {"budget": self.budget}
-        return {"density": density} if budget is None else {"budget": budget}
+        if budget is not None:
+            return {"budget": budget}
+        return {} if density is None else {"density": density}
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from microsparse.options import DEFAULT_DENSITY, SparseOptions
+from microsparse.options import SparseOptions
 from microsparse.sparsifiers import (
     INDEX_MESSAGES,
     PARTITIONINGS,
@@ -86,9 +86,10 @@ class TrainConfig:
         choices=available_sparsifiers,
         help="how gradient entries are selected (default: %(default)s)",
     )
-    density: float | None = option(  # None: 0.001, or what budget buys (resolved)
+    density: float | None = option(  # None: what budget (or the default budget) buys
         type=arguments.density,
-        help="fraction of gradient entries sent per step, in (0, 1] (default: 0.001)",
+        help="fraction of gradient entries sent per step, in (0, 1] (default: what 0.2 %% of "
+        "dense's bytes buy: 0.002 for MiCRO on its compact wire, 0.001 on the plain wire)",
     )
     budget: float | None = option(  # a resolved config holds the density it bought too
         type=arguments.budget,
@@ -121,7 +122,8 @@ class TrainConfig:
         choices=WIRES,
         help="MiCRO's wire: plain (4-byte indices), compact (16-bit offsets in chunks of the "
         "owned partition and bfloat16 values: about 4 bytes an entry instead of 8) or "
-        "compact_positions (compact offsets, values as --value-dtype) (default: plain)",
+        "compact_positions (compact offsets, values as --value-dtype) (default: compact; "
+        "plain with a shared threshold or the padded message)",
     )
     value_dtype: str | None = option(  # None: float32
         choices=VALUE_DTYPES,
@@ -259,15 +261,18 @@ class TrainConfig:
     )
 
     def _density(self) -> float:
-        """``density``, or the density ``budget`` buys on this run's wire."""
-        if self.budget is None:
-            return DEFAULT_DENSITY if self.density is None else self.density
+        """``density``, or the density ``budget`` (or, given neither, the default budget)
+        buys on this run's wire."""
+        if self.budget is None and self.density is not None:
+            return self.density
         try:
             value_dtype = None if self.value_dtype is None else getattr(torch, self.value_dtype)
             bought = SparseOptions(self.sparsifier, budget=self.budget, value_dtype=value_dtype,
                                    options=self.sparsifier_options()).density  # fmt: skip
-        except (TypeError, ValueError) as error:
-            raise ConfigError("budget", str(error)) from None
+        except (TypeError, ValueError) as error:  # the budget's, or the options' own error
+            options = ("selection", "threshold_rule", "partitioning", "index_message", "wire")
+            named = next((name for name in options if name in str(error)), "sparsifier")
+            raise ConfigError("budget" if self.budget is not None else named, str(error)) from None
         # a resolved config (a resumed run's) holds the density its budget bought
         if self.density is not None and self.density != bought:
             raise ConfigError(
