@@ -25,6 +25,7 @@ from microsparse_lab.training.config import (
     ConfigError,
     TrainConfig,
     config_from_file,
+    option_named_in,
     resume_config,
 )
 from microsparse_lab.training.data import DataFormatError, MissingDataError
@@ -235,8 +236,7 @@ def _check_before_spawning(
     try:
         create_sparsifier(config.sparsifier, config.density, **options)
     except (TypeError, ValueError) as error:
-        names = ("selection", "threshold_rule", "partitioning", "index_message", "wire", "density")
-        field = next((name for name in names if name in str(error)), "sparsifier")
+        field = option_named_in(str(error))
         if field in from_file:
             parser.error(f"argument --config: {config_file}: {error}")
         parser.error(f"argument --{field.replace('_', '-')}: {error}")

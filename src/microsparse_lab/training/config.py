@@ -56,6 +56,16 @@ def _assignments(flag: str, help: Callable[[], str]) -> Any:
     )
 
 
+SPARSIFIER_OPTIONS = ("selection", "threshold_rule", "partitioning", "index_message", "wire")
+"""The sparsifier's own options a config carries (None: the sparsifier's default)."""
+
+
+def option_named_in(message: str) -> str:
+    """The option (or ``density``) a sparsifier's error message names, else ``sparsifier``."""
+    return next((name for name in (*SPARSIFIER_OPTIONS, "density") if name in message),
+                "sparsifier")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run, as the ``microsparse train`` options describe it: each field
@@ -270,9 +280,8 @@ class TrainConfig:
             bought = SparseOptions(self.sparsifier, budget=self.budget, value_dtype=value_dtype,
                                    options=self.sparsifier_options()).density  # fmt: skip
         except (TypeError, ValueError) as error:  # the budget's, or the options' own error
-            options = ("selection", "threshold_rule", "partitioning", "index_message", "wire")
-            named = next((name for name in options if name in str(error)), "sparsifier")
-            raise ConfigError("budget" if self.budget is not None else named, str(error)) from None
+            field = "budget" if self.budget is not None else option_named_in(str(error))
+            raise ConfigError(field, str(error)) from None
         # a resolved config (a resumed run's) holds the density its budget bought
         if self.density is not None and self.density != bought:
             raise ConfigError(
@@ -283,13 +292,7 @@ class TrainConfig:
         return bought
 
     def sparsifier_options(self) -> dict[str, Any]:
-        given = {
-            "selection": self.selection,
-            "threshold_rule": self.threshold_rule,
-            "partitioning": self.partitioning,
-            "index_message": self.index_message,
-            "wire": self.wire,
-        }
+        given = {name: getattr(self, name) for name in SPARSIFIER_OPTIONS}
         return {key: value for key, value in given.items() if value is not None}
 
     @property
