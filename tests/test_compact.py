@@ -64,6 +64,18 @@ def test_empty_full_and_nearly_full_chunks_fit_16_bits() -> None:
         ChunkCodec(chunks=1, span=SPAN, capacity=SPAN)
 
 
+def test_slots_past_a_ranks_count_decode_past_its_last_chunk() -> None:
+    """Where the host's counts exceed a message's own (every rank answered one rank's message,
+    as in ``SymmetricPeers``' timings), the extra slots read as offsets at or past the last
+    chunk's end, never inside another chunk, so the caller can keep them in the range."""
+    codec = ChunkCodec(chunks=3, span=16, capacity=6)
+    message = codec.encode(torch.tensor([40, 2, 17]))  # one pick in each chunk
+    rows = message.unsqueeze(0).expand(2, codec.words)
+    decoded = codec.decode(rows, [3, 6])
+    assert decoded[:6].tolist() == [2, 17, 40, 2, 17, 40]
+    assert decoded[6:].tolist() == [3 * 16] * 3  # zero padding in chunk "3": the range's end
+
+
 def test_padding_is_zero_and_the_message_is_half_words() -> None:
     codec = ChunkCodec(chunks=2, span=SPAN, capacity=4)  # 6 halfwords: 3 words
     odd = ChunkCodec(chunks=2, span=SPAN, capacity=5)  # 7 halfwords: 4 words, one pad

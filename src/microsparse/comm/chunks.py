@@ -56,7 +56,8 @@ class ChunkCodec:
         self.words = math.ceil(self.halfwords / 2)
         """int32 words of the message (the last one half padding when ``halfwords`` is odd)."""
         self._bounds = torch.empty(0, dtype=torch.long)
-        self._slot_numbers = torch.empty(0, 0, dtype=torch.long)
+        self._mark_rows = torch.empty(0, 0, dtype=torch.long)
+        self._one_per_chunk = torch.empty(0, 0, dtype=torch.long)
         self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
@@ -85,20 +86,23 @@ class ChunkCodec:
         """Every rank's offsets (int64), rank after rank, each rank's ascending, from the
         gathered ``rows`` (n, ``words``) and every rank's count, known to the host.
 
-        Slot j of a rank's offsets lies in the first chunk whose running count exceeds j (one
-        binary search per slot, at sizes fixed in advance). A slot past the rank's count, as
-        where every rank is answered this rank's message (``SymmetricPeers``' timings), reads
-        as an offset past the last chunk, which the caller keeps inside the rank's range."""
+        Slot j of a rank's offsets lies in chunk c = the number of chunk ends (running counts)
+        at or below j: a mark at each end, summed along the slots (one scan, at sizes fixed in
+        advance, where a binary search per slot costs five times as much on the CPU). A slot
+        past the rank's count, as where every rank is answered this rank's message
+        (``SymmetricPeers``' timings), reads as an offset past the last chunk, which the caller
+        keeps inside the rank's range."""
         n = rows.shape[0]
-        half = rows.view(torch.int16).view(n, 2 * self.words)
+        half = rows.view(torch.int16)
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=rows.device)
         ends = half[:, : self.chunks].long().bitwise_and_(0xFFFF).cumsum(1)
-        chunk = torch.searchsorted(ends, self._slots(n, rows.device), right=True)
-        at_low, at_slot = self._keep(counts, rows.device)
-        low = half.reshape(-1).index_select(0, at_low).long().bitwise_and_(0xFFFF)
-        chunk = chunk.reshape(-1).index_select(0, at_slot)
-        return low.add_(chunk.bitwise_left_shift_(self.shift))
+        marks, ones = self._marks(n, rows.device)
+        marks.zero_().scatter_add_(1, ends.clamp_(max=self.capacity), ones)
+        chunk = marks[:, : self.capacity].cumsum(1)
+        low = half[:, self.chunks : self.chunks + self.capacity].long().bitwise_and_(0xFFFF)
+        offsets = low.add_(chunk.bitwise_left_shift_(self.shift))
+        return offsets.view(-1).index_select(0, self._keep(counts, rows.device))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count, read from the gathered headers on the host (one read back)."""
@@ -110,25 +114,22 @@ class ChunkCodec:
             self._bounds = torch.arange(1, self.chunks + 1, device=device) << self.shift
         return self._bounds
 
-    def _slots(self, n: int, device: torch.device) -> torch.Tensor:
-        """Each rank's slot numbers 0 … capacity − 1, as (n, capacity)."""
-        if self._slot_numbers.shape != (n, self.capacity) or self._slot_numbers.device != device:
-            self._slot_numbers = torch.arange(self.capacity, device=device).repeat(n, 1)
-        return self._slot_numbers
+    def _marks(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n, capacity + 1) counters of chunk ends per slot (column ``capacity`` takes the
+        ends at or past the last slot) and the (n, chunks) ones added at the ends."""
+        if self._mark_rows.shape != (n, self.capacity + 1) or self._mark_rows.device != device:
+            self._mark_rows = torch.empty(n, self.capacity + 1, dtype=torch.long, device=device)
+            self._one_per_chunk = torch.ones(n, self.chunks, dtype=torch.long, device=device)
+        return self._mark_rows, self._one_per_chunk
 
-    def _keep(self, counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each rank's offsets lie in the flattened rows and in the (n, capacity) slots,
-        made once per pattern of counts (they rotate with the step: a few per rank)."""
+    def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
+        """Where each rank's offsets lie in the (n, capacity) slots, flattened: made once per
+        pattern of counts (they rotate with the step: a few per rank)."""
         key = (tuple(counts), device)
         keep = self._known.get(key)
         if keep is None:
             if len(self._known) > 4 * len(counts):
                 self._known.clear()
             slots = [r * self.capacity + i for r, count in enumerate(counts) for i in range(count)]
-            at_slot = torch.tensor(slots, dtype=torch.long, device=device)
-            rows = torch.tensor([r for r, count in enumerate(counts) for _ in range(count)],
-                                dtype=torch.long, device=device)  # fmt: skip
-            # slot r·capacity + i is 16-bit word r·(2·words) + chunks + i of the rows
-            at_low = at_slot + rows * (2 * self.words - self.capacity) + self.chunks
-            keep = self._known[key] = (at_low, at_slot)
+            keep = self._known[key] = torch.tensor(slots, dtype=torch.long, device=device)
         return keep
