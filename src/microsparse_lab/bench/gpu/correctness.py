@@ -23,7 +23,8 @@ REFERENCE = {"selection": "threshold", "threshold_rule": "as_coded",
              "partitioning": "contiguous", "index_message": "padded"}  # fmt: skip
 """MiCRO's option set closest to the authors' reference code."""
 CONFIGS: list[tuple[str, dict[str, Any]]] = [
-    ("micro", {}),
+    ("micro", {}),  # the compact wire
+    ("micro", {"wire": "plain"}),
     ("micro", REFERENCE),
     ("micro", {"selection": "threshold"}),
     ("micro", {"value_dtype": torch.bfloat16}),
