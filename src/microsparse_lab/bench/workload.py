@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 
 import torch
 
@@ -148,14 +147,3 @@ def calibrate(vector: torch.Tensor, density: float, threshold: float) -> torch.T
     """
     current = quantile_of_magnitude(vector, 1.0 - density)
     return vector.mul_(threshold / current) if current > 0 else vector
-
-
-def gaussian_scale_for(density: float, threshold: float, excess: float = 1.0) -> float:
-    """σ such that N(0, σ²) has a fraction ``excess · density`` of entries with |x| ≥ threshold.
-
-    Example:
-        >>> round(gaussian_scale_for(0.05, 1.96), 3)   # 5 % of N(0, 1) lies beyond ±1.96
-        1.0
-    """
-    tail = min(0.999, excess * density)
-    return threshold / NormalDist().inv_cdf(1.0 - tail / 2.0)

@@ -41,10 +41,8 @@ Example:
     >>> method = parse_method("micro(selection=threshold)@ddp")
     >>> method.kind, method.sparsifier, method.options
     ('hook', 'micro', {'selection': 'threshold'})
-    >>> parse_method("micro(density=0.03)@ddp").density_or(0.001)
-    0.03
-    >>> parse_method("micro").density_or(0.001)
-    0.001
+    >>> parse_method("micro(density=0.03)@ddp").amount(0.001)
+    {'density': 0.03}
     >>> parse_method("micro(budget=0.002)").amount(0.001), parse_method("micro").amount(0.001)
     ({'budget': 0.002}, {'density': 0.001})
     >>> parse_method("powersgd(rank=4)").rank, parse_method("powersgd").one_bucket
@@ -215,10 +213,6 @@ class Method:
     density: float | None = None  # the name's own density (``micro(density=0.03)``), if any
     budget: float | None = None  # the name's own byte budget (``micro(budget=0.002)``), if any
     min_speedup: float | None = None  # the hook's min_speedup: sparse only where X times faster
-
-    def density_or(self, default: float) -> float:
-        """The density this method selects at: the name's own, else ``default`` (the run's)."""
-        return default if self.density is None else self.density
 
     def amount(self, density: float | None, budget: float | None = None) -> dict[str, float]:
         """How much this method sends, as the one keyword of ``SparseOptions`` that says it:
