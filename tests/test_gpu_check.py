@@ -25,6 +25,8 @@ def test_the_device_check_runs_on_cpu(tmp_path) -> None:
                            "NCCL (gloo on CPU), world size 1: loop, hook, resume"}  # fmt: skip
     assert all(check["ok"] for check in checks.values())
     assert all(row["equal"] for row in checks["same results as on CPU"]["rows"])
+    gloo = checks["2 gloo ranks with device tensors"]["rows"]
+    assert [row.get("mode") for row in gloo][-1] == "deterministic algorithms"
     process_group = checks["NCCL (gloo on CPU), world size 1: loop, hook, resume"]
     assert process_group["hook"]["equal"] and process_group["resume"]["equal"]
 

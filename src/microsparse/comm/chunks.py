@@ -57,7 +57,8 @@ class ChunkCodec:
         """int32 words of the message (the last one half padding when ``halfwords`` is odd)."""
         self._bounds = torch.empty(0, dtype=torch.long)
         self._mark_rows = torch.empty(0, 0, dtype=torch.long)
-        self._one_per_chunk = torch.empty(0, 0, dtype=torch.long)
+        self._row_starts = torch.empty(0, 1, dtype=torch.long)
+        self._one_per_chunk = torch.empty(0, dtype=torch.long)
         self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
@@ -97,8 +98,11 @@ class ChunkCodec:
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=rows.device)
         ends = half[:, : self.chunks].long().bitwise_and_(0xFFFF).cumsum(1)
-        marks, ones = self._marks(n, rows.device)
-        marks.zero_().scatter_add_(1, ends.clamp_(max=self.capacity), ones)
+        marks, row_starts, ones = self._marks(n, rows.device)
+        # one flat row of n · (capacity + 1) counters: a 1-D scatter_add_ is deterministic on
+        # CUDA too (torch.use_deterministic_algorithms), where a 2-D one may refuse to run
+        at = ends.clamp_(max=self.capacity).add_(row_starts).view(-1)
+        marks.zero_().view(-1).scatter_add_(0, at, ones)
         chunk = marks[:, : self.capacity].cumsum(1)
         low = half[:, self.chunks : self.chunks + self.capacity].long().bitwise_and_(0xFFFF)
         offsets = low.add_(chunk.bitwise_left_shift_(self.shift))
@@ -114,13 +118,16 @@ class ChunkCodec:
             self._bounds = torch.arange(1, self.chunks + 1, device=device) << self.shift
         return self._bounds
 
-    def _marks(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _marks(self, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(n, capacity + 1) counters of chunk ends per slot (column ``capacity`` takes the
-        ends at or past the last slot) and the (n, chunks) ones added at the ends."""
-        if self._mark_rows.shape != (n, self.capacity + 1) or self._mark_rows.device != device:
-            self._mark_rows = torch.empty(n, self.capacity + 1, dtype=torch.long, device=device)
-            self._one_per_chunk = torch.ones(n, self.chunks, dtype=torch.long, device=device)
-        return self._mark_rows, self._one_per_chunk
+        ends at or past the last slot), where each rank's row starts in them flattened, and
+        the n · chunks ones added at the ends."""
+        width = self.capacity + 1
+        if self._mark_rows.shape != (n, width) or self._mark_rows.device != device:
+            self._mark_rows = torch.empty(n, width, dtype=torch.long, device=device)
+            self._row_starts = torch.arange(0, n * width, width, device=device).unsqueeze(1)
+            self._one_per_chunk = torch.ones(n * self.chunks, dtype=torch.long, device=device)
+        return self._mark_rows, self._row_starts, self._one_per_chunk
 
     def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
         """Where each rank's offsets lie in the (n, capacity) slots, flattened: made once per

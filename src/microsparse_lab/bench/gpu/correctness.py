@@ -177,17 +177,31 @@ def _gloo_rank(rank: int, world_size: int, folder: str, device_type: str) -> Non
             work(torch.ones(4, device=device))
         except Exception as error:  # noqa: BLE001 - what gloo does not support is the finding
             refused.append(f"{kind}: {str(error).splitlines()[0][:200]}")
-    rows = []
-    for name, options in [("micro", {}), ("micro", REFERENCE), ("topk", {}), ("cltk", {})]:
-        try:
-            got = trace(name, options, device, rank, steps=3)
-            cpu = trace(name, options, torch.device("cpu"), rank, steps=3)
-            equal = all(torch.allclose(a, b, rtol=1e-12, atol=0) for s, t in zip(cpu, got)
-                        for a, b in zip(s, t))  # fmt: skip
-            rows.append({"sparsifier": name, "options": str(options), "equal": equal})
-        except Exception as error:  # noqa: BLE001 - reported per row, the others still run
-            rows.append({"sparsifier": name, "options": str(options), "equal": False,
-                         "error": str(error)[:300]})  # fmt: skip
+    rows = [_compared(name, options, device, rank) for name, options in
+            [("micro", {}), ("micro", REFERENCE), ("topk", {}), ("cltk", {})]]  # fmt: skip
+    # Users who ask torch for reproducible kernels must still be able to run the default.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        rows.append(_compared("micro", {}, device, rank, "deterministic algorithms"))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     dist.barrier()
     dist.destroy_process_group()
     torch.save({"refused": refused, "rows": rows}, Path(folder, f"rank{rank}.pt"))
+
+
+def _compared(name: str, options: dict[str, Any], device: torch.device, rank: int,
+              mode: str = "") -> dict[str, Any]:  # fmt: skip
+    """One sparsifier's steps on ``device`` against the same steps on CPU tensors."""
+    row: dict[str, Any] = {"sparsifier": name, "options": str(options)}
+    if mode:
+        row["mode"] = mode
+    try:
+        got = trace(name, options, device, rank, steps=3)
+        cpu = trace(name, options, torch.device("cpu"), rank, steps=3)
+        row["equal"] = all(torch.allclose(a, b, rtol=1e-12, atol=0) for s, t in zip(cpu, got)
+                           for a, b in zip(s, t))  # fmt: skip
+    except Exception as error:  # noqa: BLE001 - reported per row, the others still run
+        row.update(equal=False, error=str(error)[:300])
+    return row

@@ -39,7 +39,9 @@ def _check(check: dict[str, Any]) -> list[str]:
     for row in rows:
         if not row["equal"]:
             why = "" if row.get("must_equal", True) else " (allowed: it draws on the device)"
-            lines.append(f"  - differs: {row['sparsifier']} {row['options']}{why}")
+            mode = f" with {row['mode']}" if "mode" in row else ""
+            error = f": {row['error']}" if "error" in row else ""
+            lines.append(f"  - differs: {row['sparsifier']} {row['options']}{mode}{why}{error}")
     for part in ("hook", "resume"):
         if part in check and not check[part]["equal"]:
             lines.append(f"  - {part}: differs")
