@@ -67,6 +67,16 @@ def _run(command: list[str], cwd: Path) -> str | None:
 # --- Python blocks ------------------------------------------------------------------------
 
 
+TEARDOWN = """
+import os as _os, sys as _sys
+_sys.stdout.flush(), _sys.stderr.flush()
+_os._exit(0)
+"""
+"""What every region's script ends with, once its own last line has run: on gloo (torch 2.13)
+the interpreter's teardown can still abort ("terminate called without an active exception",
+more often on a busy machine; docs/FSDP.md), which is not what a block tests."""
+
+
 class TorchrunRegions:
     """A Sybil parser and evaluator: the Python blocks between ``<!-- torchrun: start -->`` and
     ``<!-- torchrun: end -->`` run as one script on 2 gloo ranks; the ``end`` example fails with
@@ -94,7 +104,7 @@ class TorchrunRegions:
         lines: list[str] = []
         for line, source in blocks:
             lines += [""] * (line - len(lines)) + source.splitlines()
-        script.write_text("\n".join(lines) + "\n")
+        script.write_text("\n".join(lines) + "\n" + TEARDOWN)
         torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(script)]
         # "end twice": a script that resumes from what its first run saved.
         for _ in range(2 if example.parsed == "end twice" else 1):
