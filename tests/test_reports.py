@@ -190,6 +190,8 @@ def test_report_of_several_dirs_needs_out(tmp_path, capsys):
         (["--sparsifiers", "micro,micro"], "named twice"),
         (["--task", "no-such-task"], "argument --task:"),
         (["--", "--epochs", "1", "--out=x"], "--out after --"),
+        (["--", "--budget", "0.01"], "--budget after --"),
+        (["--density", "0.01", "--budget", "0.01"], "give --density or --budget, not both"),
     ],
 )
 def test_compare_refuses_bad_arguments_before_training(tmp_path, capsys, args, message):
@@ -217,6 +219,22 @@ def test_compare_runs_each_sparsifier_and_reports(tmp_path):
     assert json.loads((out / "compare.json").read_text())["runs"] == ["dense", "micro"]
     for name in PLOT_FILES:
         assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_compare_at_equal_bytes_gives_every_run_the_budget(tmp_path):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--sparsifiers", "topk,micro", "--workers", "2", "--budget", "0.004",
+                 "--out", str(out), "--no-plots", "--", "--max-steps", "2", "--batch-size", "16",
+                 "--epochs", "1"]) == 0  # fmt: skip
+    for name in ("topk", "micro"):
+        config = json.loads((out / name / "summary.json").read_text())["config"]
+        assert config["budget"] == 0.004, name
+    commands = json.loads((out / "compare.json").read_text())["commands"]
+    assert all("--density" not in argv for argv in commands.values())
+    # At equal bytes the compact wire (4 bytes an entry) sends twice top-k's entries (8 bytes).
+    targets = {name: json.loads((out / name / "metrics.jsonl").read_text().splitlines()[0])
+               ["target"] for name in commands}  # fmt: skip
+    assert abs(targets["micro"] - 2 * targets["topk"]) <= 2, targets
 
 
 def write_seed(directory: Path, sparsifier: str, metric: str, values: list[float], seed: int):

@@ -5,6 +5,7 @@ Each run is an ordinary ``microsparse train`` (the same entry point, in this pro
 
 Example:
     $ microsparse compare --sparsifiers dense,topk,micro --workers 4 --out runs/cmp -- --epochs 2
+    $ microsparse compare --budget 0.002 --out runs/cmp-bytes   # at equal bytes, not entries
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _COMPARE_SETS = {
     "--task": "--task",
     "--workers": "--workers",
     "--density": "--density",
+    "--budget": "--budget",
     "--seed": "--seed",
 }
 """Train options that compare sets itself, and the compare option to use instead."""
@@ -50,7 +52,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated names, or 'all' (default: %(default)s)",
     )
     add("--workers", type=arguments.positive_int, default=4, help="(default: %(default)s)")
-    add("--density", type=arguments.density, default=0.001, help="(default: %(default)s)")
+    add(
+        "--density",
+        type=arguments.density,
+        default=None,
+        help="every run sends this fraction of the gradient's entries: the paper's comparison, "
+        "at equal entries (default: 0.001)",
+    )
+    add(
+        "--budget",
+        type=arguments.budget,
+        default=None,
+        help="instead of --density: every run sends this fraction of dense's bytes, at equal "
+        "bytes; each sparsifier's density follows from what an entry costs on its wire",
+    )
     add("--seed", type=int, default=1, help="(default: %(default)s)")
     add("--out", default=None, help="output directory (default runs/compare-TASK-TIMESTAMP)")
     add_target(compare)
@@ -67,10 +82,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """train once per sparsifier (same task and seed), then tabulate and plot
 
-    Run `microsparse train` once per sparsifier with the same task, seed, workers and density, each
-    into OUT/SPARSIFIER, then write OUT/results.md, OUT/results.csv and PNG plots (as `microsparse
-    report OUT` does). Options after `--` are passed to every `microsparse train`, e.g. `-- --epochs
-    2 --max-steps 50`."""
+    Run `microsparse train` once per sparsifier with the same task, seed, workers and density (or
+    byte budget, --budget), each into OUT/SPARSIFIER, then write OUT/results.md, OUT/results.csv
+    and PNG plots (as `microsparse report OUT` does). Options after `--` are passed to every
+    `microsparse train`, e.g. `-- --epochs 2 --max-steps 50`."""
+    if args.density is not None and args.budget is not None:
+        return fail(parser, "argument --budget: give --density or --budget, not both")
     sparsifiers = _parse_sparsifiers(args.sparsifiers)
     if isinstance(sparsifiers, str):
         return fail(parser, f"argument --sparsifiers: {sparsifiers}")
@@ -88,7 +105,8 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "train",
             *task_options,
             *("--sparsifier", name, "--workers", str(args.workers)),
-            *("--density", repr(args.density), "--seed", str(args.seed)),
+            *_amount(args),
+            *("--seed", str(args.seed)),
             *("--out", str(out / name)),
             *([] if args.progress else ["--no-progress"]),
             *args.train_args,
@@ -125,6 +143,13 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (RunError, ModuleNotFoundError) as error:
         return fail(parser, str(error))
     return 1 if record["failed"] else 0
+
+
+def _amount(args: argparse.Namespace) -> list[str]:
+    """``--budget B`` where one is asked for, else ``--density D`` (0.001 by default)."""
+    if args.budget is not None:
+        return ["--budget", repr(args.budget)]
+    return ["--density", repr(0.001 if args.density is None else args.density)]
 
 
 def _run(main: Callable[[list[str]], int], argv: list[str]) -> int:
