@@ -199,4 +199,6 @@ def test_train_counts_the_warmup_in_the_mean_density(tmp_path) -> None:
     densities = [r["selected"] / r["numel"] for r in records]
     assert densities[0] > 5 * densities[-1]  # 0.1 epoch of 62 steps: 6 steps of warm-up
     assert summary["mean_density"] == pytest.approx(sum(densities) / len(densities))
+    assert summary["sends_per_entry"] == pytest.approx(sum(densities))  # warm-up included
     assert "mean density K/d over the run" in result.stdout
+    assert f"sent {summary['sends_per_entry']:.3g} times in 6 steps" in result.stdout

@@ -203,6 +203,9 @@ def summarize(
         "sparse_steps": len(sparse),
         # K/d over the whole run, a density warm-up included.
         "mean_density": fmean(r["selected"] / r["numel"] for r in records),
+        # Σ K/d: how often an entry was sent over the run, on average (the residual holds the
+        # rest; a short run at a low density sends each parameter about once, see SPARSIFIERS).
+        "sends_per_entry": math.fsum(r["selected"] / r["numel"] for r in records),
         # Steps the hook averaged densely (min_speedup's probe, and its choice if dense).
         "dense_steps": sum(r.get("averaging") == "dense" for r in records),
         "traffic_ratio": sent / dense if dense else None,  # None: one worker sends nothing
@@ -228,8 +231,10 @@ def format_summary(summary: dict[str, Any], out: Path) -> str:
         f"{summary['seconds']['wall']:.1f} s",
         f"  {shown}, final loss {summary['final_loss']:.4f}",
         _ratio_error_line(summary),
-        f"  mean density K/d over the run: {summary['mean_density']:.3g}; traffic vs dense "
-        "all-reduce: " + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
+        f"  mean density K/d over the run: {summary['mean_density']:.3g} (an entry sent "
+        f"{summary['sends_per_entry']:.3g} times in {summary['steps']} steps, on average); "
+        "traffic vs dense all-reduce: "
+        + ("n/a (1 worker)" if traffic is None else f"{100 * traffic:.2f} %"),
         *([_speed_line(summary)] if config.get("min_speedup") is not None else []),
         "  per step: "
         + ", ".join(
