@@ -7,9 +7,12 @@ MiCRO's hook on DDP's buckets and with ``one_exchange=True``, each also with DDP
 DDP a copy of every gradient into its bucket and back): medians after 3 warm-up steps,
 interleaved step by step, as ratios to stock DDP in the same run. The model is
 6 × Linear(1365, 1365) (d = 11.2 M, ResNet-18's size), 4 rows a step, gradients set to None
-after every step as an optimizer's ``zero_grad`` does, one thread a rank.
+after every step as an optimizer's ``zero_grad`` does, one thread a rank. ``--bucket-cap-mb``
+sets DDP's bucket size for every model: the hook's step has a fixed cost per bucket (its
+collective rounds one after another, its kernels), so the number of buckets matters.
 
-Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.hookstep [RANKS] [STEPS]`` (default 2, 20).
+Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.hookstep [RANKS] [STEPS]
+[--bucket-cap-mb MB]`` (default 2, 20, DDP's 25).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ CONFIGS: dict[str, tuple[object, bool]] = {  # name: (the hook's options, or Non
 WARMUP = 3
 
 
-def _worker(rank: int, ranks: int, init: str, steps: int) -> None:
+def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -53,7 +56,8 @@ def _worker(rank: int, ranks: int, init: str, steps: int) -> None:
     for name, (options, views) in CONFIGS.items():
         torch.manual_seed(0)
         layers = nn.Sequential(*[nn.Linear(1365, 1365) for _ in range(6)])
-        ddp = DistributedDataParallel(layers, gradient_as_bucket_view=views)
+        ddp = DistributedDataParallel(layers, gradient_as_bucket_view=views,
+                                      bucket_cap_mb=bucket_cap_mb)  # fmt: skip
         if options == FLOOR:
             ddp.register_comm_hook(None, unchanged_hook)
         elif isinstance(options, dict):
@@ -71,6 +75,8 @@ def _worker(rank: int, ranks: int, init: str, steps: int) -> None:
             model.zero_grad(set_to_none=True)
     dist.barrier()
     if rank == 0:
+        buckets = models["stock DDP"]._get_ddp_logging_data().get("num_buckets_reduced")
+        print(f"DDP buckets of {bucket_cap_mb:g} MB: {buckets} a pass")
         medians = {name: statistics.median(t[WARMUP:]) * 1000 for name, t in times.items()}
         for name, ms in medians.items():
             print(f"{name:>32}: {ms:6.1f} ms  ({ms / medians['stock DDP']:.2f}x stock DDP)")
@@ -89,10 +95,13 @@ def main(argv: list[str]) -> None:
         help="gloo ranks on this machine (default: %(default)s)")  # fmt: skip
     add("steps", nargs="?", type=arguments.positive_int, default=20,
         help=f"timed steps after {WARMUP} warm-up steps (default: %(default)s)")  # fmt: skip
+    add("--bucket-cap-mb", metavar="MB", type=arguments.positive_float, default=25.0,
+        help="DDP's bucket_cap_mb for every model (default: DDP's %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         init = os.path.join(directory, "init")
-        mp.spawn(_worker, args=(args.ranks, init, args.steps), nprocs=args.ranks)
+        spawned = (args.ranks, init, args.steps, args.bucket_cap_mb)
+        mp.spawn(_worker, args=spawned, nprocs=args.ranks)
 
 
 if __name__ == "__main__":

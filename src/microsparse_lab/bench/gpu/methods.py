@@ -22,6 +22,9 @@ DENSITY = 0.001
 STOCK = "stock DDP"
 MICRO = "micro_hook"
 ALL_REDUCE_LOOP = "all-reduce loop"
+LARGE_BUCKETS_MB = 100
+"""DDP's ``bucket_cap_mb`` in the row that gives the hook fewer, larger buckets (DDP's
+default is 25)."""
 
 
 @dataclass
@@ -43,16 +46,19 @@ class Method:
     baseline: str = STOCK
 
 
-def _ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+def _ddp(model: nn.Module, device: torch.device,
+         bucket_cap_mb: float | None = None) -> nn.parallel.DistributedDataParallel:  # fmt: skip
     ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
 
 
-def _hooked(state_of: Callable[[], Any], hook: Callable[..., Any]) -> Callable[..., Averaging]:
-    """A DDP method with ``hook`` and a fresh ``state_of()`` registered."""
+def _hooked(state_of: Callable[[], Any], hook: Callable[..., Any],
+            bucket_cap_mb: float | None = None) -> Callable[..., Averaging]:  # fmt: skip
+    """A DDP method with ``hook`` and a fresh ``state_of()`` registered; DDP's buckets of
+    ``bucket_cap_mb`` (None: DDP's default, 25)."""
 
     def attach(model: nn.Module, device: torch.device) -> Averaging:
-        ddp = _ddp(model, device)
+        ddp = _ddp(model, device, bucket_cap_mb)
         state = state_of()
         ddp.register_comm_hook(state, hook)
         return Averaging(ddp, stats=lambda: getattr(state, "last_step", None))
@@ -106,6 +112,9 @@ def methods(device: torch.device) -> list[Method]:
         Method(MICRO, _hooked(lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook)),
         Method("micro_hook one_exchange", _hooked(
             lambda: ddp.MicroState(density=DENSITY, one_exchange=True), ddp.micro_hook)),
+        # Fewer, larger buckets: each bucket's step has a fixed cost (its rounds, its kernels).
+        Method(f"micro_hook, {LARGE_BUCKETS_MB} MB buckets", _hooked(
+            lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook, LARGE_BUCKETS_MB)),
         Method("sparse_hook topk", _hooked(lambda: ddp.SparseState("topk", DENSITY),
                                            ddp.sparse_hook)),
         Method("fp16_compress_hook", _hooked(lambda: None, default_hooks.fp16_compress_hook)),
