@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse
 import microsparse.ddp
 from distributed import run_ranks
+from microsparse_lab.bench import syncs_table
 from microsparse_lab.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
 
 WARMUP = 4  # DDP rebuilds its buckets after the first step; the first step may check things
@@ -169,3 +170,16 @@ def test_micro_compact_wire_step_makes_no_sync(tmp_path) -> None:
     """16-bit offsets decoded at the quotas' known total: nothing read back either."""
     for syncs in run_ranks(compact_reducer_worker, 2, tmp_path):
         assert syncs.total == 0, syncs
+
+
+def table_worker(rank: int, n: int) -> list[dict]:
+    return syncs_table.measure(rank, [("micro", {}), ("topk", {})])
+
+
+def test_the_table_tells_a_fixed_size_from_one_the_data_decides(tmp_path) -> None:
+    """``bench.syncs_table``: MiCRO's default reads nothing back in either driver; top-k's
+    union of positions has a size only the data decides, found once per slab and step."""
+    micro, topk = run_ranks(table_worker, 2, tmp_path)[0]
+    assert micro["loop"].total == micro["hook"].total == 0
+    assert topk["loop"].counts["aten::_unique2"] == 1
+    assert topk["hook"].counts["aten::_unique2"] == 5  # one per DDP bucket

@@ -1,0 +1,123 @@
+"""Host syncs per steady-state step of every sparsifier, in both drivers, counted on the CPU.
+
+Two gloo ranks on this machine train a small MLP (75,658 parameters, 16 rows a step, SGD)
+with each sparsifier at density 0.01: once through ``GradientReducer`` (the loop API, one
+slab) and once through the DDP hook on DDP's 5 buckets of 0.05 MB. After 4 warm-up steps
+(DDP rebuilds its buckets after the first; the first step after a start reads its guard on
+purpose) the operations that would make a GPU's host wait are counted over 3 steps on every
+thread (:func:`~microsparse_lab.bench.syncs.count_host_syncs`) and printed per step, by name.
+
+Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.syncs_table``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import microsparse
+import microsparse.ddp
+from microsparse_lab.bench.syncs import HostSyncs, count_host_syncs
+
+CASES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("dense", {}),
+    ("micro", {}),
+    ("micro", {"wire": "plain"}),
+    ("micro", {"selection": "threshold"}),
+    ("micro", {"selection": "threshold", "threshold_rule": "as_coded",
+               "partitioning": "contiguous", "index_message": "padded"}),
+    ("topk", {}),
+    ("cltk", {}),
+    ("deft", {}),
+    ("hard_threshold", {}),
+    ("sage", {}),
+    ("oracle", {}),
+)  # fmt: skip
+"""(sparsifier, options) in the order printed: MiCRO's reference option set among them."""
+DENSITY = 0.01
+WARMUP, COUNTED = 4, 3
+BUCKET_CAP_MB = 0.05
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    widths = [64, 128, 128, 128, 128, 128]
+    layers = [m for a, b in itertools.pairwise(widths) for m in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+
+
+def _steady(net: nn.Module, rank: int, after_backward: Callable[[], object]) -> HostSyncs:
+    """Host syncs per SGD step after :data:`WARMUP` steps (batches drawn up front)."""
+    generator = torch.Generator().manual_seed(rank)
+    batches = itertools.cycle([torch.randn(16, 64, generator=generator) for _ in range(4)])
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        net(next(batches)).pow(2).mean().backward()
+        after_backward()
+        optimizer.step()
+
+    for _ in range(WARMUP):
+        step()
+    return count_host_syncs(step, repeats=COUNTED)
+
+
+def measure(rank: int, cases: Sequence[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each case's syncs per step through the loop API and the hook (every rank must call
+    it, after ``init_process_group``)."""
+    rows = []
+    for name, options in cases:
+        net = _model()
+        reducer = microsparse.GradientReducer(net.named_parameters(), name, DENSITY, **options)
+        loop = _steady(net, rank, reducer.synchronize)
+        ddp = nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        state = microsparse.ddp.SparseState(name, DENSITY, **options)
+        ddp.register_comm_hook(state, microsparse.ddp.sparse_hook)
+        hook = _steady(ddp, rank, lambda: None)
+        rows.append({"sparsifier": name, "options": options, "loop": loop, "hook": hook})
+    return rows
+
+
+def _label(row: dict[str, Any]) -> str:
+    options = ", ".join(f"{key}={value!r}" for key, value in row["options"].items())
+    return f"{row['sparsifier']}({options})" if options else row["sparsifier"]
+
+
+def _names(syncs: HostSyncs) -> str:
+    return ", ".join(f"{name} {count:.3g}" for name, count in syncs.counts.items()) or "-"
+
+
+def _worker(rank: int, init: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    rows = measure(rank, CASES)
+    dist.barrier()
+    if rank == 0:
+        print("| sparsifier | loop API | DDP hook (5 buckets) | what, in the hook |")
+        print("|---|---:|---:|---|")
+        for row in rows:
+            print(f"| `{_label(row)}` | {row['loop'].total:.3g} | {row['hook'].total:.3g} | "
+                  f"{_names(row['hook'])} |")  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        mp.spawn(_worker, args=(os.path.join(directory, "init"),), nprocs=2)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:]:
+        sys.exit(f"usage: python -m microsparse_lab.bench.syncs_table (no arguments); got "
+                 f"{' '.join(sys.argv[1:])}")  # fmt: skip
+    main()
