@@ -398,3 +398,69 @@ def test_unused_parameters_and_a_warm_up_average_as_the_plain_message(worker, tm
     compact = run_ranks(worker, 2, tmp_path / "compact", {"wire": "compact_positions"})
     for a, b in zip(plain, compact):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class Recording(collectives.ProcessGroupCollectives):
+    """The process group's collectives, with what each request was for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.whats: list[str] = []
+
+    def run(self, request: collectives.Collective) -> torch.Tensor:
+        self.whats.append(request.what)
+        return super().run(request)
+
+
+def guard_worker(rank: int, n: int) -> dict[str, list]:
+    """Five steps of one slab, its gradient handed over flat (as DDP's bucket) or as a list
+    of one tensor (as the loop API's per-parameter gradients), an Inf on rank 0 at step 3."""
+    from microsparse.engine import FlatOutput, SparseStep, run_blocking
+    from microsparse.feedback import ErrorFeedback
+
+    layout = Layout.of([("w", torch.zeros(40_000))])
+    got: dict[str, list] = {}
+    for how in ("flat", "list"):
+        sparsifier = create_sparsifier("micro", 0.01)
+        sparsifier.bind(layout, rank, n)
+        feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+        engine, comm = SparseStep(sparsifier, feedback), Recording()
+        got[how] = []
+        for step in range(5):
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            gradient = torch.randn(40_000, generator=generator)
+            if step == 3 and rank == 0:
+                gradient[7] = torch.inf
+            output = FlatOutput(torch.empty(40_000))
+            comm.whats.clear()
+            fresh = gradient if how == "flat" else [gradient]
+            report = run_blocking(engine.run(step, fresh, output), comm)
+            skipped = report.skipped  # a Pending where the verdict stayed on the device
+            skipped = skipped if isinstance(skipped, bool) else bool(skipped.get())
+            got[how].append((list(comm.whats), skipped, feedback.residual.clone(),
+                             output.data.clone(), report.bytes_sent))  # fmt: skip
+    return got
+
+
+def test_a_flat_gradient_takes_two_rounds_the_guard_inside_the_index_message(tmp_path) -> None:
+    """Where the gradient is one flat tensor (DDP's bucket, FSDP's shard) MiCRO selects from
+    e + g before writing the residual, and the guard's flag and step ride in the compact
+    message: two rounds instead of three, with bit for bit the same residuals and averages,
+    and a step with an Inf on one rank skipped on every rank with nothing changed."""
+    for got in run_ranks(guard_worker, 2, tmp_path):
+        # the first step reads the guard on the host (after a start), the others do not
+        assert [whats for whats, *_ in got["flat"]] == [["indices", "values"]] * 5
+        assert [whats for whats, *_ in got["list"]] == [["guard", "indices", "values"]] * 5
+        for flat, listed in zip(got["flat"], got["list"]):
+            assert flat[1] == listed[1]  # skipped
+            assert flat[4] == listed[4]  # the same bytes: the guard's 8 a rank moved inside
+            assert torch.equal(flat[2], listed[2])
+            if not flat[1]:
+                assert torch.equal(flat[3], listed[3])
+        assert [skipped for _, skipped, *_ in got["flat"]] == [False] * 3 + [True, False]
+        assert torch.equal(got["flat"][3][2], got["flat"][2][2])  # the residual as it was
+        # NaN where it would have averaged (k = 400 positions, chosen from e + g there and
+        # from e where the guard had its own round), as a GradScaler skips it
+        for how in ("flat", "list"):
+            skipped = got[how][3][3]
+            assert int(skipped.isnan().sum()) == 400 and int((skipped == 0).sum()) == 39_600

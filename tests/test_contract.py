@@ -102,8 +102,8 @@ class SelectSpy:
         self.calls: list[tuple[Any, torch.Tensor]] = []
 
         @functools.wraps(original)
-        def select(sparsifier, accumulated, step, scratch=None):
-            positions = original(sparsifier, accumulated, step, scratch)
+        def select(sparsifier, accumulated, step, scratch=None, **addend):
+            positions = original(sparsifier, accumulated, step, scratch, **addend)
             self.calls.append((sparsifier, positions.clone()))
             return positions
 

@@ -110,7 +110,7 @@ class ChunkCodec:
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count, read from the gathered headers on the host (one read back)."""
-        half = rows.view(torch.int16).view(rows.shape[0], 2 * self.words)
+        half = rows.view(torch.int16)  # (n, 2 · words), or more where a guard follows
         return half[:, : self.chunks].long().bitwise_and_(0xFFFF).sum(1).tolist()
 
     def _chunk_bounds(self, device: torch.device) -> torch.Tensor:

@@ -55,6 +55,9 @@ class Proposal:
     step: int
     counts: list[int] | None = None
     """Every rank's count, when known before the exchange (a leader's plan, quotas)."""
+    guard: torch.Tensor | None = None
+    """The engine's guard message ([flag, step], float32) to carry in the index message, where
+    the framing can (:attr:`Framing.carries_guard`): the step then needs no round of its own."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class Exchanged:
     """Σ_r of every rank's proposals, before deduplication or the capacity cut."""
     local_proposed: int
     """This rank's proposals, before the capacity cut."""
+    guard_rows: torch.Tensor | None = None
+    """Every rank's guard message as carried in the index message, (n, 2) float32."""
 
 
 class Framing(ABC):
@@ -82,6 +87,9 @@ class Framing(ABC):
     """Index slots of the message that carry its header instead of positions."""
     decodes_known_counts: ClassVar[bool] = False
     """Given every rank's count before the exchange, it reads nothing back to the host."""
+    carries_guard: ClassVar[bool] = False
+    """Its message has room for the engine's guard ([flag, step]): a step whose sparsifier
+    selects before the residual is written then takes no guard round of its own."""
     value_dtype: torch.dtype | None = None
     """The values' wire dtype where the user names none (None: the gradient's own)."""
     position_bytes: ClassVar[int] = 4
@@ -321,11 +329,12 @@ class Compact(Framing):
 
     Each rank's message has ``chunks + capacity`` 16-bit words (padded to even), where
     ``chunks`` = ⌈largest range / span⌉: about 2 bytes per position instead of ``Fixed``'s 4,
-    plus 2 bytes per 65,536 entries of the range. ``message_slots`` counts those 16-bit words.
-    The size is fixed by the options alone, so ranks at different steps still meet in
-    equal-sized rounds; the step is checked by the engine's guard, before this round, as it is
-    for ``Fixed`` with known counts (which then writes no header either). Where the counts are
-    not known (DDP leaving out unused parameters), the chunk counts are read on the host.
+    plus 2 bytes per 65,536 entries of the range; where the engine hands over its guard
+    (:attr:`Proposal.guard`), its two words follow, and the step takes no guard round of its
+    own. ``message_slots`` counts the 16-bit words of counts and offsets. The size is fixed by
+    the options and the step's kind alone, so ranks at different steps still meet in
+    equal-sized rounds, and the engine reads the step from the guard's words. Where the counts
+    are not known (DDP leaving out unused parameters), the chunk counts are read on the host.
 
     Example:
         >>> Compact.collectives(slots=103, index_bytes=4)   # 3 chunk counts + 100 offsets
@@ -335,7 +344,9 @@ class Compact(Framing):
     name = "compact"
     label = "compact"
     decodes_known_counts = True
+    carries_guard = True
     position_bytes = 2  # a 16-bit offset inside its chunk
+    GUARD_WORDS = 2
 
     def __init__(
         self, ranges: OwnedRanges, capacity: int, value_dtype: torch.dtype | None = torch.bfloat16
@@ -347,7 +358,7 @@ class Compact(Framing):
         self.value_dtype = value_dtype
         self._codec = ChunkCodec(self.chunks, self.span, capacity)
         self.slots = self._codec.halfwords
-        self._message: torch.Tensor | None = None
+        self._messages: dict[int, torch.Tensor] = {}  # by length: with the guard's words or not
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         local, step, ranges = proposal.local, proposal.step, self._ranges
@@ -355,26 +366,38 @@ class Compact(Framing):
             raise ValueError(
                 f"{local.numel()} positions proposed, but a compact message holds {self.capacity}"
             )
-        message = self._message
+        words, guard = self._codec.words, proposal.guard
+        size = words + (0 if guard is None else self.GUARD_WORDS)
+        message = self._messages.get(size)
         if message is None or message.device != local.device:
-            message = self._message = torch.zeros(self._codec.words, dtype=torch.int32,
-                                                  device=local.device)  # fmt: skip
+            message = self._messages[size] = torch.zeros(size, dtype=torch.int32,
+                                                         device=local.device)  # fmt: skip
+        if guard is not None:  # [flag, step] are whole numbers below 2**24: exact
+            message[words:].copy_(guard)
         if world_size == 1:  # the same round, but no other rank to read it: nothing to code
-            yield Collective("all_gather", message, "indices")
-            return Exchanged(local, local.numel(), self.slots, local.numel(), local.numel())
-        self._codec.encode(ranges.offsets(step, local), out=message)
+            rows = yield Collective("all_gather", message, "indices")
+            return Exchanged(local, local.numel(), self.slots, local.numel(), local.numel(),
+                             _guard_rows(rows, words, proposal))  # fmt: skip
+        self._codec.encode(ranges.offsets(step, local), out=message[:words])
         rows = yield Collective("all_gather", message, "indices")
         counts = proposal.counts if proposal.counts is not None else self._codec.counts(rows)
         positions = ranges.positions(step, self._codec.decode(rows, counts), counts)
-        return Exchanged(positions, local.numel(), self.slots, sum(counts), local.numel())
+        return Exchanged(positions, local.numel(), self.slots, sum(counts), local.numel(),
+                         _guard_rows(rows, words, proposal))  # fmt: skip
 
     @classmethod
     def collectives(
         cls, slots: float, index_bytes: int, counts_known: bool = False
     ) -> list[tuple[Kind, float]]:
         """``slots``: the message's 16-bit words (chunk counts and offsets); ``index_bytes`` is
-        not read (2 bytes each, in 4-byte words)."""
+        not read (2 bytes each, in 4-byte words). A guard carried inside adds its 8 bytes here
+        instead of in a round of its own."""
         return [("all_gather", 4 * math.ceil(slots / 2))]
+
+
+def _guard_rows(rows: torch.Tensor, words: int, proposal: Proposal) -> torch.Tensor | None:
+    """Every rank's [flag, step] from the gathered messages, where they carried the guard."""
+    return None if proposal.guard is None else rows.view(-1, rows.shape[-1])[:, words:].float()
 
 
 class Shared(Framing):

@@ -16,6 +16,12 @@ whole protocol of one step, top to bottom:
    kept in the residual), forget them locally (the new residual), all-reduce;
 7. **finish**: divide by n, write the sparse average, tell the sparsifier the global count.
 
+Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
+select from e + g before it is written (MiCRO's quotas, plain error feedback, no
+``GradScaler``), the step is two rounds instead of three: this rank selects from |e + g|, its
+guard message rides in the compact index message, and only then, the verdict known, a = e + g
+is written (:meth:`SparseStep._guard_in_message`); the same selection, the same bytes.
+
 A step whose guard finds a NaN or Inf on any rank, or ranks at different steps, leaves every
 residual exactly as it was. Where the sparsifier fixes every size of the step in advance
 (MiCRO's quotas, dense), nothing in it is read back to the host: the guard's verdict stays
@@ -60,7 +66,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
-from microsparse.comm.framing import Dense, Fixed, Proposal, Shared
+from microsparse.comm.framing import Dense, Exchanged, Fixed, Proposal, Shared
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, flag_nonfinite
 from microsparse.sparsifiers import Sparsifier
@@ -145,10 +151,15 @@ class Guard:
 
     def request(self, fresh: Fresh, step: int) -> Collective:
         """Flag this rank's gradient and return the all-gather of [flag, step]."""
+        return Collective("all_gather", self.message(fresh, step), "guard")
+
+    def message(self, fresh: Fresh, step: int) -> torch.Tensor:
+        """This rank's [flag, step] (float32), to be all-gathered on its own or inside an
+        index message."""
         # The step is a kernel argument, not a copy from the host; exact below 2**24.
         torch.mul(self._pattern, step % self.PERIOD, out=self._buffer)
         flag_nonfinite(fresh, self._flag, cleared=True)
-        return Collective("all_gather", self._message, "guard")
+        return self._message
 
     def skip(self, rows: torch.Tensor) -> torch.Tensor:
         """True (one-element bool, on the device) if any rank flagged or is at another step
@@ -243,6 +254,8 @@ class SparseStep:
         """
         self._snapshot = self.sparsifier.state_dict()
         clock = _Clock(self.feedback.residual.device)
+        if self._selects_first(fresh, scale):
+            return (yield from self._guard_in_message(step, fresh, output, exclude, clock))
         rows = yield from clock.local(_single(self.guard.request(fresh, step)))
         if isinstance(self.framing, Dense):
             return (yield from self._dense(step, fresh, output, rows, clock))
@@ -280,11 +293,76 @@ class SparseStep:
         select_seconds = clock.lap()
         proposal = Proposal(local, accumulated, step, counts)
         exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
-        positions = exchanged.positions
         # If no rank used a parameter, DDP drops its average: what was sent there would be lost.
-        unused = _inside(positions, exclude) if exclude and fixed else None
+        unused = _inside(exchanged.positions, exclude) if exclude and fixed else None
+        return (yield from self._finish(step, exchanged, output, unused, skipped, scale, clock,
+                                        (threshold, extra, select_seconds)))  # fmt: skip
+
+    def _selects_first(self, fresh: Fresh, scale: torch.Tensor | None) -> bool:
+        """Whether this step selects from e + g before writing the residual, its guard riding
+        in the index message (one round less): a framing with room for it, a sparsifier that
+        can, no round before selection, plain error feedback, one flat unscaled gradient."""
+        sparsifier, feedback = self.sparsifier, self.feedback
+        return (self.framing.carries_guard and sparsifier.selects_from_sum
+                and not (sparsifier.planned or sparsifier.agrees or self.schedule is not None)
+                and not (feedback.momentum or feedback.adam) and scale is None
+                and isinstance(fresh, torch.Tensor) and fresh.is_contiguous()
+                and fresh.dtype == feedback.residual.dtype)  # fmt: skip
+
+    def _guard_in_message(
+        self,
+        step: int,
+        fresh: torch.Tensor,
+        output: Output,
+        exclude: Sequence[tuple[int, int]],
+        clock: _Clock,
+    ) -> Protocol_:
+        """The step in two rounds: select from e + g, exchange the positions with every rank's
+        guard, then (the verdict known) write a = e + g, send the values, keep the rest.
+
+        Nothing is written before the index round, so a step the guard fails there, read on
+        the host or not, changes nothing: the same outcomes as a guard round of its own."""
+        sparsifier, residual = self.sparsifier, self.feedback.residual
+        guard = self.guard.message(fresh, step)
+        flat = fresh.view(-1)
+        local = sparsifier.select(residual, step, addend=flat)  # type: ignore[call-arg]
+        counts = sparsifier.counts(step)
+        if exclude:
+            local = local[~_inside(local, exclude)]
+            counts = None
+        timing = (_pending(sparsifier.threshold), sparsifier.report(), clock.lap())
+        proposal = Proposal(local, residual, step, counts, guard)
+        exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
+        rows = exchanged.guard_rows
+        assert rows is not None
+        skipped = skip = None
+        if self._read_guard(counts is not None):
+            if self._checked(rows, step, fresh):  # every rank knows: nothing was written
+                output.poison()
+                return self._skipped(clock)
+        else:
+            skipped = self.guard.skip(rows)
+            skip = skipped.to(torch.float32)
+        self.feedback.compensate(flat, step, skip)
+        return (yield from self._finish(step, exchanged, output, None, skipped, None, clock,
+                                        timing))  # fmt: skip
+
+    def _finish(
+        self,
+        step: int,
+        exchanged: Exchanged,
+        output: Output,
+        unused: torch.Tensor | None,
+        skipped: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        clock: _Clock,
+        timing: tuple[Any, dict[str, Any], float | Pending],
+    ) -> Protocol_:
+        """Send the values at the exchanged positions, keep the rest, write the average."""
+        sparsifier, positions = self.sparsifier, exchanged.positions
+        threshold, extra, select_seconds = timing
         values = self._values(positions, unused, skipped, scale)
-        averaged = yield from self._average(values, accumulated.dtype, skipped, clock)
+        averaged = yield from self._average(values, self.feedback.accumulated.dtype, skipped, clock)
         output.write(positions, averaged)
         sparsifier.update(positions.numel())
         return StepReport(

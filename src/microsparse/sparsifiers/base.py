@@ -47,6 +47,10 @@ class Sparsifier(ABC):
       :meth:`adopt_plan` (and :meth:`leader`, cyclic by default). Each step the engine calls
       ``make_plan`` on the leader only, broadcasts that fixed-size tensor, and calls
       ``adopt_plan`` on every rank before ``select``; it returns every rank's count;
+    - *selecting from a = e + g before it is written*: :attr:`selects_from_sum` and
+      ``select(residual, step, addend=gradient)``. The engine then selects before it
+      updates the residual, so that the guard's flags ride in the index message (one round
+      less) and a step skipped after that round has changed nothing;
     - *reporting*: :meth:`report`, :attr:`threshold`, :meth:`partition`;
     - *benchmarks*: :meth:`settle` (start from a given threshold).
 
@@ -62,6 +66,8 @@ class Sparsifier(ABC):
     """The class of what :meth:`framing` returns, where the options do not choose it: what
     :meth:`entry_bytes` prices."""
     planned: ClassVar[bool] = False
+    selects_from_sum: bool = False
+    """Whether :meth:`select` takes ``addend=``: it then selects from residual + addend."""
     yardstick: ClassVar[bool] = False
     """A bound to measure methods against (``oracle``), left out of the benchmarks' defaults."""
     layout: Layout

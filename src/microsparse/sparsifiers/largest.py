@@ -71,7 +71,7 @@ class LargestFinder:
         NaN counts as the largest)."""
         size = magnitude.numel()
         if quota >= size:
-            self._taken = magnitude if size else math.nan
+            self._taken = magnitude.clone() if size else math.nan  # a buffer reused later
             return _arange(size, magnitude.device)
         lanes, chunk, depth = Candidates.LANES, Candidates.CHUNK, Candidates.DEPTH
         if size < self.SMALL or 2 * depth * quota >= size:  # no fewer candidates by blocks

@@ -240,6 +240,10 @@ class Micro(Sparsifier):
     def agrees(self) -> bool:
         return isinstance(self._rule, QuantileThreshold)
 
+    @property
+    def selects_from_sum(self) -> bool:  # type: ignore[override]
+        return self.selection == "quota"  # a shared threshold needs |a| for its histogram
+
     def agreement(self, accumulated: torch.Tensor, step: int) -> torch.Tensor:
         assert isinstance(self._rule, QuantileThreshold)
         magnitude = self._owned_magnitudes(accumulated, step)
@@ -252,14 +256,24 @@ class Micro(Sparsifier):
         self._rule.solve(total)
 
     def select(
-        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+        self,
+        accumulated: torch.Tensor,
+        step: int,
+        scratch: torch.Tensor | None = None,
+        addend: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As :meth:`Sparsifier.select`; with ``addend`` (quotas only), from |accumulated +
+        addend| (the residual and the fresh gradient, before the engine adds them), read
+        into a buffer shared by every slab on the device."""
         part = self._part(step)
         size = self._partitions.size(part)
         self._threshold = math.nan if self._rule is None else self._rule.threshold
         if size == 0:  # only when d < n
             return torch.empty(0, dtype=torch.long, device=accumulated.device)
-        if self._magnitudes_of_step == step:  # this step's agreement computed them already
+        if addend is not None:
+            shared = _shared(accumulated, self._largest)
+            magnitude = self._owned_magnitudes(accumulated, step, shared, addend)
+        elif self._magnitudes_of_step == step:  # this step's agreement computed them already
             magnitude = self._buffer(accumulated, "_scratch")[:size]
         else:
             magnitude = self._owned_magnitudes(accumulated, step, scratch)
@@ -280,17 +294,29 @@ class Micro(Sparsifier):
         return self._partitions.positions(part, chosen)
 
     def _owned_magnitudes(
-        self, accumulated: torch.Tensor, step: int, scratch: torch.Tensor | None = None
+        self,
+        accumulated: torch.Tensor,
+        step: int,
+        scratch: torch.Tensor | None = None,
+        addend: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """|a| of the owned partition, read segment by segment into ``scratch`` (lent by the
-        engine) or a buffer of its own."""
+        """|a| of the owned partition (|a + addend| with ``addend``), read segment by segment
+        into ``scratch`` (lent by the engine) or a buffer of its own."""
         if scratch is None or scratch.numel() < self._largest or scratch.dtype != accumulated.dtype:
             scratch = self._buffer(accumulated, "_scratch")
+        part = self._part(step)
+        segments = self._partitions.segments(accumulated, part)
+        added = self._partitions.segments(addend, part) if addend is not None else None
+        added = added if added is not None else [None] * len(segments)
         offset = 0
         segment: Segment
-        for segment in self._partitions.segments(accumulated, self._part(step)):
+        for segment, more in zip(segments, added):
             count = segment.view.numel()
-            torch.abs(segment.view, out=scratch[offset : offset + count].view_as(segment.view))
+            out = scratch[offset : offset + count].view_as(segment.view)
+            if more is None:
+                torch.abs(segment.view, out=out)
+            else:  # the same sum, rounded the same, as the engine's a = e + g after this
+                torch.add(segment.view, more.view, out=out).abs_()
             offset += count
         return scratch[:offset]
 
@@ -340,6 +366,21 @@ def _check_wire(wire: str, selection: str, index_message: str) -> None:
             f"wire={wire!r} replaces the fixed index message: leave index_message='fixed' "
             "(or keep wire='plain' for the reference's padded message)"
         )
+
+
+_shared_buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _shared(like: torch.Tensor, size: int) -> torch.Tensor:
+    """A magnitude buffer of at least ``size`` entries, one per device and dtype for every
+    slab: selecting from e + g happens before the step's first collective, one slab after
+    another on the thread (and, on a GPU, the stream) that starts the steps, and nothing
+    reads the buffer once the selection is made."""
+    key = (like.device, like.dtype)
+    buffer = _shared_buffers.get(key)
+    if buffer is None or buffer.numel() < size:
+        buffer = _shared_buffers[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+    return buffer
 
 
 class _Owned:
