@@ -6,13 +6,14 @@ MiCRO's hook on DDP's buckets and with ``one_exchange=True``, each also with DDP
 ``gradient_as_bucket_view=True`` ("views": the gradients live in DDP's buckets, which saves
 DDP a copy of every gradient into its bucket and back): medians after 3 warm-up steps,
 interleaved step by step, as ratios to stock DDP in the same run. The model is
-6 × Linear(1365, 1365) (d = 11.2 M, ResNet-18's size), 4 rows a step, gradients set to None
+6 × Linear(1365, 1365) (d = 11.2 M, ResNet-18's size; ``--layers``, ``--width``), 4 rows a
+step, gradients set to None
 after every step as an optimizer's ``zero_grad`` does, one thread a rank. ``--bucket-cap-mb``
 sets DDP's bucket size for every model: the hook's step has a fixed cost per bucket (its
 collective rounds one after another, its kernels), so the number of buckets matters.
 
 Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.hookstep [RANKS] [STEPS]
-[--bucket-cap-mb MB]`` (default 2, 20, DDP's 25).
+[--bucket-cap-mb MB] [--width W] [--layers L]`` (default 2, 20, DDP's 25, 1365, 6).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ CONFIGS: dict[str, tuple[object, bool]] = {  # name: (the hook's options, or Non
 WARMUP = 3
 
 
-def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float) -> None:
+def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float, width: int,
+            layers: int) -> None:  # fmt: skip
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -55,15 +57,15 @@ def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float) 
     models = {}
     for name, (options, views) in CONFIGS.items():
         torch.manual_seed(0)
-        layers = nn.Sequential(*[nn.Linear(1365, 1365) for _ in range(6)])
-        ddp = DistributedDataParallel(layers, gradient_as_bucket_view=views,
+        net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+        ddp = DistributedDataParallel(net, gradient_as_bucket_view=views,
                                       bucket_cap_mb=bucket_cap_mb)  # fmt: skip
         if options == FLOOR:
             ddp.register_comm_hook(None, unchanged_hook)
         elif isinstance(options, dict):
             ddp.register_comm_hook(mddp.SparseState("micro", 0.001, **options), mddp.sparse_hook)
         models[name] = ddp
-    x = torch.randn(4, 1365)
+    x = torch.randn(4, width)
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(WARMUP + steps):
         for name, model in models.items():
@@ -97,10 +99,14 @@ def main(argv: list[str]) -> None:
         help=f"timed steps after {WARMUP} warm-up steps (default: %(default)s)")  # fmt: skip
     add("--bucket-cap-mb", metavar="MB", type=arguments.positive_float, default=25.0,
         help="DDP's bucket_cap_mb for every model (default: DDP's %(default)s)")  # fmt: skip
+    add("--width", type=arguments.positive_int, default=1365,
+        help="the Linear layers' width (default: %(default)s)")  # fmt: skip
+    add("--layers", type=arguments.positive_int, default=6,
+        help="Linear layers (default: %(default)s; d = layers × width × (width + 1))")  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         init = os.path.join(directory, "init")
-        spawned = (args.ranks, init, args.steps, args.bucket_cap_mb)
+        spawned = (args.ranks, init, args.steps, args.bucket_cap_mb, args.width, args.layers)
         mp.spawn(_worker, args=spawned, nprocs=args.ranks)
 
 
