@@ -1,12 +1,13 @@
 """The collectives of one step, in order, as :meth:`SparseStep.run` issues them.
 
 One definition that the DDP hook reads for its rounds (one process group each) and the cost
-model reads for its bytes: the guard's all-gather (which a step that selects before writing
-the residual carries inside a compact message instead, one round less: the hook's and FSDP's
-steps on flat gradients), an all-reduced agreement (MiCRO's histogram) or a leader's
-broadcast plan (CLT-k, DEFT) where the sparsifier has one, the index exchange as its framing
-lists it, a warm-up's overflow all-gather of a fixed message, and the all-reduce of the
-values.
+model reads for its bytes: the guard's all-gather, an all-reduced agreement (MiCRO's
+histogram) or a leader's broadcast plan (CLT-k, DEFT) where the sparsifier has one, the index
+exchange as its framing lists it, a warm-up's overflow all-gather of a fixed message, and the
+all-reduce of the values. The guard's round is listed even where a step carries it inside a
+compact message instead (the hook's and FSDP's MiCRO steps on flat gradients): the bytes are
+the same there, the rounds one fewer, and the hook keeps a process group for it, for the
+steps that cannot.
 """
 
 from __future__ import annotations
