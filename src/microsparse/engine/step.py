@@ -17,8 +17,8 @@ whole protocol of one step, top to bottom:
 7. **finish**: divide by n, write the sparse average, tell the sparsifier the global count.
 
 Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
-select from e + g before it is written (MiCRO's quotas, plain error feedback, no
-``GradScaler``), the step is two rounds instead of three: this rank selects from |e + g|, its
+select from e + g before it is written (MiCRO's quotas on the compact wire, plain error
+feedback, no density warm-up, no ``GradScaler``), the step is two rounds instead of three: this rank selects from |e + g|, its
 guard message rides in the compact index message, and only then, the verdict known, a = e + g
 is written (:meth:`SparseStep._guard_in_message`); the same selection, the same bytes.
 
