@@ -18,9 +18,10 @@ whole protocol of one step, top to bottom:
 
 Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
 select from e + g before it is written (MiCRO's quotas on the compact wire, plain error
-feedback, no density warm-up, no ``GradScaler``), the step is two rounds instead of three: this rank selects from |e + g|, its
-guard message rides in the compact index message, and only then, the verdict known, a = e + g
-is written (:meth:`SparseStep._guard_in_message`); the same selection, the same bytes.
+feedback, no density warm-up, no ``GradScaler``), the step is two rounds instead of three:
+this rank selects from |e + g|, its guard message rides in the compact index message, and
+only then, the verdict known, a = e + g is written (:meth:`SparseStep._guard_in_message`);
+the same selection, the same bytes.
 
 A step whose guard finds a NaN or Inf on any rank, or ranks at different steps, leaves every
 residual exactly as it was. Where the sparsifier fixes every size of the step in advance
