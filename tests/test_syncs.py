@@ -8,7 +8,6 @@ fail, then MiCRO's step is held to zero in both drivers.
 
 # No ``from __future__ import annotations``: DDP checks a hook's annotations as objects.
 import functools
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +15,6 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse
@@ -24,45 +22,14 @@ import microsparse.ddp
 from distributed import run_ranks
 from microsparse_lab.bench import syncs_table
 from microsparse_lab.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
-
-WARMUP = 4  # DDP rebuilds its buckets after the first step; the first step may check things
-COUNTED = 3
-DENSITY = 0.01  # k = 757 of the model's 75,658 entries, about 83 in the smallest bucket
-BUCKET_CAP_MB = 0.05  # 13,107 floats: 5 buckets once rebuilt (the DDP tests count hook calls)
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    widths = [64, 128, 128, 128, 128, 128]
-    layers = [m for a, b in itertools.pairwise(widths) for m in (nn.Linear(a, b), nn.ReLU())]
-    return nn.Sequential(*layers, nn.Linear(widths[-1], 10))  # 75,658 parameters
-
-
-def training_step(
-    net: nn.Module, rank: int, after_backward: Callable[[], object] = lambda: None
-) -> Callable[[], None]:
-    """One SGD step per call, on this rank's next batch (all drawn up front: no host work)."""
-    generator = torch.Generator().manual_seed(rank)
-    batches = itertools.cycle([torch.randn(16, 64, generator=generator) for _ in range(4)])
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        net(next(batches)).pow(2).mean().backward()
-        after_backward()
-        optimizer.step()
-
-    return step
-
-
-def steady_syncs(
-    step: Callable[[], None], before_counting: Callable[[], None] = lambda: None
-) -> HostSyncs:
-    """Host syncs per step, counted over :data:`COUNTED` steps after :data:`WARMUP`."""
-    for _ in range(WARMUP):
-        step()
-    before_counting()
-    return count_host_syncs(step, repeats=COUNTED)
+from microsparse_lab.bench.syncs_table import (  # one model, step and count for both
+    BUCKET_CAP_MB,
+    COUNTED,
+    DENSITY,
+    model,
+    steady_syncs,
+    training_step,
+)
 
 
 class Calls:
