@@ -42,6 +42,9 @@ CASES = [{"name": name, "seed": index} for index, name in enumerate(BASELINES)] 
     {"name": "topk", "seed": 10, "identical": True},  # all ranks hold the same gradient
     {"name": "hard_threshold", "seed": 11, "scale": 1e-6},  # nothing passes λ on any rank
     {"name": "sage", "seed": 12, "scale": 1e-3},  # far below target: γ = 0.95 branch
+    # The union as a fixed message: the same average and residuals as the union's.
+    {"name": "topk", "seed": 13, "options": {"wire": "fixed"}},
+    {"name": "topk", "seed": 14, "identical": True, "options": {"wire": "fixed"}},  # all repeats
 ]
 
 
@@ -80,7 +83,9 @@ def every_case(rank: int, n: int) -> dict:
 
 def run_case(rank: int, n: int, case: dict) -> list[dict]:
     params = [torch.zeros(shape, dtype=torch.float64, requires_grad=True) for shape in SHAPES]
-    reducer = GradientReducer(params, case["name"], DENSITY, **options(case["name"]))
+    reducer = GradientReducer(
+        params, case["name"], DENSITY, **options(case["name"]), **case.get("options", {})
+    )
     gradients = make_gradients(
         n, case["seed"], case.get("identical", False), case.get("scale", 1.0)
     )
@@ -302,14 +307,17 @@ def reference(name: str, gradients: list[list[np.ndarray]]) -> list[dict]:
     return steps
 
 
-def expected_bytes(name: str, n: int, stats, want: dict) -> int:
+def expected_bytes(name: str, n: int, stats, want: dict, fixed: bool = False) -> int:
     """The ring model of ``microsparse.comm`` applied by hand to what each exchange sends.
 
     Every step begins with the guard, two float32 per rank; headers are int64 ``[step,
-    count]`` before padded indices; indices are int32.
+    count]`` before padded indices; indices are int32. ``fixed``: top-k's fixed union, k
+    indices a rank and no header, values at all n·k slots.
     """
     guard = (n - 1) * 8
     values = 2 * (n - 1) * stats.selected * 8 // n
+    if fixed:
+        return guard + (n - 1) * TARGET * 4 + 2 * (n - 1) * TARGET * 8
     if name == "dense":
         return guard + values
     if name == "cltk":
@@ -352,9 +360,10 @@ def test_baselines_match_brute_force_references(n: int, tmp_path) -> None:
                 assert stats.local_selected == (
                     NUMEL if name == "dense" else len(want["picks"][r])
                 ), where
-                assert stats.exchange == EXCHANGE[name], where
+                fixed = case.get("options", {}).get("wire") == "fixed"
+                assert stats.exchange == ("fixed_union" if fixed else EXCHANGE[name]), where
                 assert stats.build_up == stats.selected / stats.target, where
-                assert stats.bytes_sent == expected_bytes(name, n, stats, want), where
+                assert stats.bytes_sent == expected_bytes(name, n, stats, want, fixed), where
                 check_rule_specifics(name, case, n, t, r, stats, want, where)
             # Conservation: Σ accumulated = n · aggregated + Σ residuals.
             accumulated = [previous[r] + gradients[t][r] for r in range(n)]
@@ -461,5 +470,9 @@ def test_baselines_are_registered_with_their_options() -> None:
     params = [torch.zeros(5, requires_grad=True)]
     with pytest.raises(ValueError, match="sample_size"):
         GradientReducer(params, "sage", 0.5, sample_size=0)
-    with pytest.raises(TypeError, match="sparsifier 'topk' takes no options"):
+    with pytest.raises(TypeError, match="sparsifier 'cltk' takes no options"):
+        GradientReducer(params, "cltk", 0.5, seed=1)
+    with pytest.raises(TypeError, match="sparsifier 'topk' takes: wire"):
         GradientReducer(params, "topk", 0.5, seed=1)
+    with pytest.raises(ValueError, match="wire must be one of union, fixed for topk"):
+        GradientReducer(params, "topk", 0.5, wire="compact")

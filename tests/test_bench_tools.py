@@ -371,6 +371,20 @@ def test_the_simulator_counts_the_compact_wire_at_its_own_sizes(tmp_path):
     assert index == ("all_gather", 4 * -(-shape.max_local_selected // 2))
 
 
+def test_the_simulator_counts_top_ks_fixed_union_at_n_k_values(tmp_path):
+    """The same picks, so the same build-up, as the union's; no header round, and values at
+    all n·k slots whatever the overlap."""
+    code = main(["simulate", "--workers", "4", "--steps", "3", "--warmup", "1", "--numel",
+                 "100000", "--density", "0.01", "--sparsifiers", "topk,topk(wire=fixed)",
+                 "--no-plots", "--quiet", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    union, fixed = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert (union["exchange"], fixed["exchange"]) == ("union", "fixed_union")
+    assert fixed["build_up_mean"] == union["build_up_mean"] > 1
+    k, n = 1000, 4
+    assert fixed["bytes_per_worker"] == 3 * 8 + 3 * k * 4 + 2 * 3 / 4 * n * k * 4
+
+
 def test_loopback_needs_a_warm_up_step_to_size_the_bare_rounds():
     from microsparse_lab.bench.loopback import LoopbackConfig
 

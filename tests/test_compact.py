@@ -277,7 +277,9 @@ def test_combinations_that_cannot_work_are_refused() -> None:
         create_sparsifier("micro", 0.01, wire="compact", index_message="padded")
     with pytest.raises(ValueError, match="wire must be one of plain, compact"):
         create_sparsifier("micro", 0.01, wire="int16")
-    with pytest.raises(TypeError, match="'topk' has no option 'wire'.*use 'micro'"):
+    with pytest.raises(TypeError, match="'cltk' has no option 'wire'.*use 'micro'"):
+        GradientReducer([torch.zeros(10, requires_grad=True)], "cltk", 0.1, wire="compact")
+    with pytest.raises(ValueError, match="one of union, fixed for topk.*use 'micro'"):
         GradientReducer([torch.zeros(10, requires_grad=True)], "topk", 0.1, wire="compact")
 
 

@@ -285,7 +285,8 @@ def rebuild_worker(
 @pytest.mark.parametrize(
     ("name", "static", "momentum", "wire"),
     [("micro", False, 0.0, "plain"), ("micro", True, 0.0, "plain"), ("topk", False, 0.0, None),
-     ("micro", False, 0.9, "plain"), ("micro", False, 0.0, None), ("micro", True, 0.0, None)],
+     ("topk", False, 0.0, "fixed"), ("micro", False, 0.9, "plain"), ("micro", False, 0.0, None),
+     ("micro", True, 0.0, None)],
 )  # fmt: skip
 def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(
     name, static, momentum, wire, tmp_path
@@ -515,10 +516,10 @@ class SometimesUsed(nn.Module):
         return self.branch(y) if self.use_branch else y
 
 
-def unused_worker(rank: int, n: int, name: str, one_exchange: bool) -> dict:
+def unused_worker(rank: int, n: int, name: str, one_exchange: bool, options: dict) -> dict:
     model = SometimesUsed().double()
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001 if one_exchange else 25)
-    state = mddp.SparseState(name, 0.2, one_exchange=one_exchange)
+    state = mddp.SparseState(name, 0.2, one_exchange=one_exchange, **options)
     ddp.register_comm_hook(state, mddp.sparse_hook)
     generator = torch.Generator().manual_seed(rank)
     frozen_residuals = []
@@ -538,18 +539,18 @@ def unused_worker(rank: int, n: int, name: str, one_exchange: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("name", "one_exchange"),
-    [("micro", False), ("cltk", False), ("deft", False), ("oracle", False), ("micro", True),
-     ("cltk", True)],  # fmt: skip
-)
+    ("name", "one_exchange", "options"),
+    [("micro", False, {}), ("cltk", False, {}), ("deft", False, {}), ("oracle", False, {}),
+     ("micro", True, {}), ("cltk", True, {}), ("topk", False, {"wire": "fixed"})],
+)  # fmt: skip
 def test_unused_parameters_keep_their_residual_instead_of_losing_it(
-    name, one_exchange, tmp_path
+    name, one_exchange, options, tmp_path
 ) -> None:
     """While the branch is unused on every rank DDP drops its average: nothing of it may be
     sent, so its residual (left from the steps that used it) must stay exactly as it was. A
     leader's plan (CLT-k, DEFT) or the oracle's sum may still name its positions: every rank
     then sends 0 there."""
-    ranks = run_ranks(unused_worker, 2, tmp_path, name, one_exchange)
+    ranks = run_ranks(unused_worker, 2, tmp_path, name, one_exchange, options)
     for result in ranks:
         first = result["frozen"][0]
         assert first.abs().sum() > 0  # the steps that used the branch left a residual

@@ -140,13 +140,15 @@ def test_micro_compact_wire_step_makes_no_sync(tmp_path) -> None:
 
 
 def table_worker(rank: int, n: int) -> list[dict]:
-    return syncs_table.measure(rank, [("micro", {}), ("topk", {})])
+    return syncs_table.measure(rank, [("micro", {}), ("topk", {}), ("topk", {"wire": "fixed"})])
 
 
 def test_the_table_tells_a_fixed_size_from_one_the_data_decides(tmp_path) -> None:
     """``bench.syncs_table``: MiCRO's default reads nothing back in either driver; top-k's
-    union of positions has a size only the data decides, found once per slab and step."""
-    micro, topk = run_ranks(table_worker, 2, tmp_path)[0]
+    union of positions has a size only the data decides, found once per slab and step; as a
+    fixed message of n·k slots it reads nothing back either."""
+    micro, topk, fixed = run_ranks(table_worker, 2, tmp_path)[0]
     assert micro["loop"].total == micro["hook"].total == 0
     assert topk["loop"].counts["aten::_unique2"] == 1
     assert topk["hook"].counts["aten::_unique2"] == 5  # one per DDP bucket
+    assert fixed["loop"].total == fixed["hook"].total == 0, fixed

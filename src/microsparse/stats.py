@@ -116,7 +116,8 @@ class StepStats:
     proposed: int = 0
     """Σ_r of every rank's proposals before deduplication (K for exclusive, shared and dense)."""
     exchange: str = ""
-    """The index framing: ``fixed``, ``compact``, ``padded``, ``union``, ``shared`` or ``dense``."""
+    """The index framing: ``fixed``, ``compact``, ``padded``, ``union``, ``fixed_union``,
+    ``shared`` or ``dense``."""
     skipped: bool = False
     """A NaN or Inf in some rank's gradient (or ranks at different steps) skipped the step:
     every residual is as it was before it, and the average is NaN where it was written."""

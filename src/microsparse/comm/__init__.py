@@ -23,6 +23,7 @@ from microsparse.comm.framing import (
     Exchange,
     Exchanged,
     Fixed,
+    FixedUnion,
     Framing,
     Padded,
     Proposal,
@@ -32,7 +33,7 @@ from microsparse.comm.local import SymmetricPeers, run_together
 
 __all__ = [
     "Collective", "Collectives", "Compact", "Dense", "Exchange", "Exchanged", "Fixed",
-    "Framing", "Kind", "Padded", "ProcessGroupCollectives", "Proposal", "Shared",
+    "FixedUnion", "Framing", "Kind", "Padded", "ProcessGroupCollectives", "Proposal", "Shared",
     "SymmetricPeers", "all_gather_bytes", "all_gather_flat", "all_reduce_bytes",
     "broadcast_bytes", "index_dtype", "run_together",
 ]

@@ -6,6 +6,9 @@ learn all positions, and back into one position list that is identical on every 
 - :class:`Padded`: the reference's way. An all-gather of ``[step, count]`` headers, then of
   the indices, each rank's padded to the largest count (gloo's all-gather needs equal sizes).
   With ``union=True`` the positions are deduplicated (sparsifiers whose picks may overlap).
+- :class:`FixedUnion`: the union with no size that depends on the data, for ranks that each
+  pick a known number of positions that may overlap (top-k): every rank's picks in one
+  all-gather, all n·k of them averaged, a position several ranks picked summed once.
 - :class:`Fixed`: one all-gather of a fixed-capacity message that carries its own header
   (count, step, proposals): one round instead of two. A rank with more proposals than slots
   sends its largest and keeps the rest in the residual. A density warm-up's extra slots
@@ -77,6 +80,9 @@ class Exchanged:
     """This rank's proposals, before the capacity cut."""
     guard_rows: torch.Tensor | None = None
     """Every rank's guard message as carried in the index message, (n, 2) float32."""
+    repeats: torch.Tensor | None = None
+    """Where ``positions`` repeats a position listed before it (bool, one per position): its
+    average is written there only once (:class:`FixedUnion`)."""
 
 
 class Framing(ABC):
@@ -202,9 +208,13 @@ class Padded(Framing):
         message[local.numel() :] = 0  # what is not a position must not leak
         rows = yield Collective("all_gather", message, "indices")
         positions = self._decoder.decode(rows, counts)
-        if self.union:
-            positions = torch.unique(positions, sorted=True)
-        return Exchanged(positions, local.numel(), longest, sum(counts), local.numel())
+        if not self.union:
+            return Exchanged(positions, local.numel(), longest, sum(counts), local.numel())
+        return self._merged(positions, local.numel(), longest, sum(counts))
+
+    def _merged(self, positions: torch.Tensor, local: int, slots: int, proposed: int) -> Exchanged:
+        """The union of every rank's ``positions``, each once (its size is the data's)."""
+        return Exchanged(torch.unique(positions, sorted=True), local, slots, proposed, local)
 
     def _buffer(self, length: int, device: torch.device) -> torch.Tensor:
         if self._message.numel() < length or self._message.device != device:
@@ -218,6 +228,50 @@ class Padded(Framing):
     ) -> list[tuple[Kind, float]]:
         header: list[tuple[Kind, float]] = [] if counts_known else [("all_gather", 2 * 8)]
         return header + [("all_gather", slots * index_bytes)] if slots else header
+
+
+class FixedUnion(Padded):
+    """The union as a fixed message: every rank's k positions in one all-gather of k indices,
+    and all n·k of them averaged, a position that several ranks picked summed only once.
+
+    ``Padded(union=True)`` deduplicates the positions (``torch.unique``), so the values'
+    all-reduce has the union's size K, which only the data decides: the host must read it.
+    Here the counts are known (k a rank), nothing is deduplicated, and the values' all-reduce
+    always has n·k slots: a position several ranks picked fills one slot per pick, each
+    holding that position's sum over the ranks, and all but the first are marked in
+    :attr:`Exchanged.repeats` (one sort of n·k indices), so that its average is written
+    once. Every rank sends the same values as with the union, at n·k / K times its bytes;
+    nothing is read back to the host. (Where DDP leaves out unused parameters, a rank keeps
+    its k slots and sends 0 at the positions there, as with a leader's plan.) The sparsifier
+    is not told the union's size (:meth:`~microsparse.sparsifiers.Sparsifier.update`): that
+    would read it.
+
+    Example:
+        >>> FixedUnion.collectives(slots=300, index_bytes=4)
+        [('all_gather', 1200)]
+    """
+
+    name = "fixed_union"
+    label = "fixed_union"
+    decodes_known_counts = True
+
+    def __init__(self, numel: int) -> None:
+        super().__init__(numel, union=True)
+
+    @classmethod
+    def collectives(
+        cls, slots: float, index_bytes: int, counts_known: bool = False
+    ) -> list[tuple[Kind, float]]:
+        """Every rank's count is k, known before the exchange (``counts_known`` is not read):
+        no header round."""
+        return Padded.collectives(slots, index_bytes, counts_known=True)
+
+    def _merged(self, positions: torch.Tensor, local: int, slots: int, proposed: int) -> Exchanged:
+        ordered, order = torch.sort(positions, stable=True)
+        repeated = torch.zeros_like(positions, dtype=torch.bool)
+        torch.eq(ordered[1:], ordered[:-1], out=repeated[1:])
+        repeats = torch.empty_like(repeated).index_put_((order,), repeated)
+        return Exchanged(positions, local, slots, proposed, local, repeats=repeats)
 
 
 class Fixed(Framing):

@@ -67,7 +67,7 @@ from typing import Any, Literal, Protocol
 import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
-from microsparse.comm.framing import Dense, Exchanged, Fixed, Proposal, Shared
+from microsparse.comm.framing import Dense, Exchanged, Fixed, FixedUnion, Proposal, Shared
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, flag_nonfinite
 from microsparse.sparsifiers import Sparsifier
@@ -248,8 +248,9 @@ class SparseStep:
         ``fresh`` is the slab's gradient (flat, or per parameter with ``None`` for none); it
         may be overwritten. ``exclude`` lists ranges [start, end) of the slab that this rank
         did not use (DDP drops the average of a parameter that no rank used). This rank
-        proposes nothing there; where a leader's plan (CLT-k, DEFT) or the oracle's sum fixes
-        the positions, it sends 0 at those inside the ranges and keeps its residual there.
+        proposes nothing there; where a leader's plan (CLT-k, DEFT), the oracle's sum or a
+        fixed union (top-k's fixed wire) fixes the positions or their number, it sends 0 at
+        those inside the ranges and keeps its residual there.
         ``scale``: a one-element tensor the gradients are scaled by (a ``GradScaler``'s): the
         residual keeps unscaled values, and the average is written scaled.
         """
@@ -284,9 +285,10 @@ class SparseStep:
         flat = isinstance(fresh, torch.Tensor) and fresh.is_contiguous()
         scratch = fresh.view(-1) if flat else None  # type: ignore[union-attr]
         local = sparsifier.select(accumulated, step, scratch)
-        # A leader's plan or the oracle's sum fixes what every rank sends: a rank cannot leave
-        # out the parameters it did not use there, so it sends 0 at them instead (below).
-        fixed = planned is not None or isinstance(self.framing, Shared)
+        # A leader's plan, the oracle's sum or a fixed union's k a rank fixes what every rank
+        # sends: a rank cannot leave out the parameters it did not use there, so it sends 0
+        # at them instead (below).
+        fixed = planned is not None or isinstance(self.framing, (Shared, FixedUnion))
         if exclude and not fixed:
             local = local[~_inside(local, exclude)]
             counts = None
@@ -364,10 +366,15 @@ class SparseStep:
         threshold, extra, select_seconds = timing
         values = self._values(positions, unused, skipped, scale)
         averaged = yield from self._average(values, self.feedback.accumulated.dtype, skipped, clock)
+        repeats, selected = exchanged.repeats, positions.numel()
+        if repeats is None:
+            sparsifier.update(selected)
+        else:  # a position several ranks picked: its sum is written once
+            averaged.masked_fill_(repeats, 0)
+            selected = Pending(lambda: positions.numel() - int(repeats.sum()))
         output.write(positions, averaged)
-        sparsifier.update(positions.numel())
         return StepReport(
-            selected=positions.numel(),
+            selected=selected,
             local_selected=exchanged.local_selected,
             message_slots=exchanged.message_slots,
             proposed=exchanged.proposed,

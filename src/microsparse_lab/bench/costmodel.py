@@ -28,12 +28,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from microsparse.comm import Compact, Dense, Fixed, Framing, Padded, Shared
+from microsparse.comm import Compact, Dense, Fixed, FixedUnion, Framing, Padded, Shared
 from microsparse.engine import step_collectives
 
 FRAMINGS: dict[str, type[Framing]] = {
-    "padded": Padded, "union": Padded, "fixed": Fixed, "compact": Compact, "shared": Shared,
-    "dense": Dense,
+    "padded": Padded, "union": Padded, "fixed_union": FixedUnion, "fixed": Fixed,
+    "compact": Compact, "shared": Shared, "dense": Dense,
 }  # fmt: skip
 """Framing classes by the label ``StepStats.exchange`` reports."""
 
@@ -115,7 +115,8 @@ def collective_seconds(
 class StepShape:
     """The message sizes of one step of one sparsifier (what the simulator measures)."""
 
-    exchange: str  # the framing's label: "fixed", "compact", "padded", "union", "shared" or "dense"
+    exchange: str  # the framing's label: "fixed", "compact", "padded", "union", "fixed_union",
+    # "shared" or "dense"
     numel: int  # d
     selected: float  # K, distinct positions averaged
     max_local_selected: float  # indices per rank's index message: max_r k_r, or the capacity
@@ -139,13 +140,22 @@ def reducer_collectives(shape: StepShape, world_size: int) -> list[tuple[str, fl
     return step_collectives(
         FRAMINGS[shape.exchange],
         slots=shape.max_local_selected,
-        values=shape.numel if shape.exchange == "dense" else shape.selected,
+        values=_values(shape, world_size),
         index_bytes=shape.index_bytes,
         value_bytes=shape.value_bytes,
         agreement_bytes=shape.agreement_bytes,
         planned=bool(shape.plan_bytes),
         plan_bytes=shape.plan_bytes,
     )
+
+
+def _values(shape: StepShape, world_size: int) -> float:
+    """Entries in the values' all-reduce: d, every rank's slots (a fixed union), or K."""
+    if shape.exchange == "dense":
+        return shape.numel
+    if shape.exchange == "fixed_union":
+        return world_size * shape.max_local_selected
+    return shape.selected
 
 
 def communication_seconds(

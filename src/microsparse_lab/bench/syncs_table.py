@@ -36,6 +36,7 @@ CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("micro", {"selection": "threshold", "threshold_rule": "as_coded",
                "partitioning": "contiguous", "index_message": "padded"}),
     ("topk", {}),
+    ("topk", {"wire": "fixed"}),
     ("cltk", {}),
     ("deft", {}),
     ("hard_threshold", {}),

@@ -48,6 +48,7 @@ from microsparse.engine import DiscardOutput, SparseStep, StepReport
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
+from microsparse.stats import resolve
 from microsparse_lab.bench.settle import bisect_threshold, kth_magnitude
 from microsparse_lab.bench.timing import choose_clock
 
@@ -134,7 +135,7 @@ class VirtualCluster:
         first = reports[0]
         width = torch.empty(0, dtype=index_dtype(numel)).element_size()
         return StepRecord(
-            t, first.selected, self.target, [r.local_selected for r in reports],
+            t, resolve(first.selected), self.target, [r.local_selected for r in reports],
             [r.select_seconds for r in reports], first.message_bytes.get("agreement", 0),
             first.message_bytes.get("plan", 0), width, self.exchange, first.message_slots,
             [r.local_proposed for r in reports],

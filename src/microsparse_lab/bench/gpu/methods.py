@@ -117,6 +117,9 @@ def methods(device: torch.device) -> list[Method]:
             lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook, LARGE_BUCKETS_MB)),
         Method("sparse_hook topk", _hooked(lambda: ddp.SparseState("topk", DENSITY),
                                            ddp.sparse_hook)),
+        # The union as n·k fixed slots: no host sync, the values' bytes at their worst.
+        Method("sparse_hook topk, fixed wire", _hooked(
+            lambda: ddp.SparseState("topk", DENSITY, wire="fixed"), ddp.sparse_hook)),
         Method("fp16_compress_hook", _hooked(lambda: None, default_hooks.fp16_compress_hook)),
         Method("bf16_compress_hook", _hooked(lambda: None, bf16)),
         Method("PowerSGD rank 4", _hooked(power_sgd, powerSGD_hook.powerSGD_hook)),

@@ -60,7 +60,7 @@ def summarize(
     dense = all_reduce_bytes(numel * 4, world_size)
     sent = [step_bytes(r, world_size, numel, value_bytes) for r in records]
     # One worker exchanges no indices at all.
-    gathered = records[0].exchange in ("padded", "fixed", "union") and world_size > 1
+    gathered = records[0].exchange in ("padded", "fixed", "union", "fixed_union") and world_size > 1
     shape = shape_of(records, numel, value_bytes)
     return {
         "build_up": statistics.median(r.selected / r.target for r in records),
