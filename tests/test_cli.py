@@ -141,6 +141,27 @@ def test_compact_wire_sends_the_same_entries_in_about_half_the_bytes(tmp_path):
     assert summary["config"]["wire"] == "compact"
 
 
+def test_top_ks_fixed_wire_trains_as_its_union_does(tmp_path):
+    """The same averages, so the same run: the same union every step, no count header, and
+    values at all n·k slots."""
+    records = {}
+    for wire in ("union", "fixed"):
+        out = tmp_path / wire
+        result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
+                         "--sparsifier", "topk", "--wire", wire, "--no-progress",
+                         "--out", str(out))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[wire] = [json.loads(line) for line in lines]
+    for union, fixed in zip(records["union"], records["fixed"], strict=True):
+        assert union["loss"] == fixed["loss"]
+        k = union["target"]
+        assert k < union["selected"] == fixed["selected"] <= 2 * k  # the union, build-up
+        # No [step, count] header (16 bytes a rank); 2·k values instead of the union's K.
+        values = all_reduce_bytes(4 * 2 * k, 2) - all_reduce_bytes(4 * union["selected"], 2)
+        assert fixed["bytes_sent"] - union["bytes_sent"] == values - 16
+
+
 @pytest.mark.parametrize("hook", ["ddp", "fp16", "powersgd(rank=2)", "powersgd(rank=2,start=3)"])
 def test_training_with_torchs_hooks_for_comparison(hook, tmp_path):
     """``--ddp-hook``: the same training through stock DDP and torch's hooks, with their
@@ -216,6 +237,7 @@ def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
         (["--sparsifier", "sage", "--index-message", "padded"], "--index-message"),
         (["--sparsifier", "topk", "--wire", "compact"], "--wire"),
         (["--wire", "zip"], "--wire"),
+        (["--wire", "fixed"], "--wire"),  # top-k's wire, not MiCRO's
         (["--task", "cifar10"], "--data-dir"),
         (["--data-dir", "."], "--data-dir"),
         (["--model-option", "depth=3"], "--model-option"),

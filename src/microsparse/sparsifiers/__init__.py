@@ -6,7 +6,8 @@ Example:
     True
 
 The choices of MiCRO's options (``SELECTIONS``, ``INDEX_MESSAGES``, ``WIRES``,
-``PARTITIONINGS``, ``THRESHOLD_RULES``) are exported for command lines that offer them;
+``PARTITIONINGS``, ``THRESHOLD_RULES``) and top-k's (``TOPK_WIRES``) are exported for command
+lines that offer them;
 ``initial_threshold`` is exported for benchmarks that time a selection from MiCRO's first step.
 """
 
@@ -31,9 +32,11 @@ from microsparse.sparsifiers.registry import (
     register_sparsifier,
 )
 from microsparse.sparsifiers.threshold import THRESHOLD_RULES, initial_threshold
+from microsparse.sparsifiers.topk import TOPK_WIRES
 
 __all__ = [
-    "INDEX_MESSAGES", "PARTITIONINGS", "SELECTIONS", "THRESHOLD_RULES", "WIRES", "Sparsifier",
+    "INDEX_MESSAGES", "PARTITIONINGS", "SELECTIONS", "THRESHOLD_RULES", "TOPK_WIRES", "WIRES",
+    "Sparsifier",
     "available_sparsifiers", "create_sparsifier", "initial_threshold", "keywords_of",
     "method_sparsifiers", "register_sparsifier", "validate_density",
 ]

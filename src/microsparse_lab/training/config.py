@@ -19,6 +19,7 @@ from microsparse.sparsifiers import (
     PARTITIONINGS,
     SELECTIONS,
     THRESHOLD_RULES,
+    TOPK_WIRES,
     WIRES,
     available_sparsifiers,
 )
@@ -128,12 +129,13 @@ class TrainConfig:
         "after a count round (default: fixed). The reference code is --threshold-rule as_coded "
         "--partitioning contiguous --index-message padded",
     )
-    wire: str | None = option(  # None: MiCRO's own default
-        choices=WIRES,
+    wire: str | None = option(  # None: the sparsifier's own default
+        choices=(*WIRES, *TOPK_WIRES),
         help="MiCRO's wire: plain (4-byte indices), compact (16-bit offsets in chunks of the "
         "owned partition and bfloat16 values: about 4 bytes an entry instead of 8) or "
         "compact_positions (compact offsets, values as --value-dtype) (default: compact; "
-        "plain with a shared threshold or the padded message)",
+        "plain with a shared threshold or the padded message). Top-k's: union (the paper's, "
+        "default) or fixed (n·k slots a step, nothing read back to the host)",
     )
     value_dtype: str | None = option(  # None: float32
         choices=VALUE_DTYPES,
