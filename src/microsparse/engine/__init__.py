@@ -4,17 +4,19 @@
 same protocol is driven by ``GradientReducer`` (blocking), the DDP hook (futures) and the
 simulator (in-process groups).
 
-``step_collectives`` (what one step sends, for the cost model) and ``dense_stats`` (the
-statistics of a plain all-reduce step, so that dense baselines report like sparse ones) are
-exported for measuring and comparing, not for a training loop's use of the library.
+``step_collectives`` (what one step sends, for the cost model), ``dense_stats`` (the
+statistics of a plain all-reduce step, so that dense baselines report like sparse ones) and
+``resolve`` (a number a ``StepReport`` left on the device, read) are exported for measuring
+and comparing, not for a training loop's use of the library.
 """
 
 from microsparse.engine.output import DiscardOutput, FlatOutput, GradientOutput, SparseOutput
 from microsparse.engine.plan import step_collectives
 from microsparse.engine.stats import dense_stats
 from microsparse.engine.step import SparseStep, StepReport, run_blocking
+from microsparse.stats import resolve
 
 __all__ = [
     "DiscardOutput", "FlatOutput", "GradientOutput", "SparseOutput", "SparseStep",
-    "StepReport", "dense_stats", "run_blocking", "step_collectives",
+    "StepReport", "dense_stats", "resolve", "run_blocking", "step_collectives",
 ]

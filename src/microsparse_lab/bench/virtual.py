@@ -44,11 +44,10 @@ from microsparse.comm import (
     index_dtype,
     run_together,
 )
-from microsparse.engine import DiscardOutput, SparseStep, StepReport
+from microsparse.engine import DiscardOutput, SparseStep, StepReport, resolve
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
-from microsparse.stats import resolve
 from microsparse_lab.bench.settle import bisect_threshold, kth_magnitude
 from microsparse_lab.bench.timing import choose_clock
 
