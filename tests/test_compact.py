@@ -414,9 +414,10 @@ class Recording(collectives.ProcessGroupCollectives):
         return super().run(request)
 
 
-def guard_worker(rank: int, n: int) -> dict[str, list]:
+def guard_worker(rank: int, n: int, scale: float | None = None) -> dict[str, list]:
     """Five steps of one slab, its gradient handed over flat (as DDP's bucket) or as a list
-    of one tensor (as the loop API's per-parameter gradients), an Inf on rank 0 at step 3."""
+    of one tensor (as the loop API's per-parameter gradients), an Inf on rank 0 at step 3;
+    with ``scale``, multiplied by it as a ``GradScaler`` scales it."""
     from microsparse.engine import FlatOutput, SparseStep, run_blocking
     from microsparse.feedback import ErrorFeedback
 
@@ -435,8 +436,11 @@ def guard_worker(rank: int, n: int) -> dict[str, list]:
                 gradient[7] = torch.inf
             output = FlatOutput(torch.empty(40_000))
             comm.whats.clear()
+            factor = None if scale is None else torch.tensor([scale])
+            if factor is not None:
+                gradient *= factor
             fresh = gradient if how == "flat" else [gradient]
-            report = run_blocking(engine.run(step, fresh, output), comm)
+            report = run_blocking(engine.run(step, fresh, output, scale=factor), comm)
             skipped = report.skipped  # a Pending where the verdict stayed on the device
             skipped = skipped if isinstance(skipped, bool) else bool(skipped.get())
             got[how].append((list(comm.whats), skipped, feedback.residual.clone(),
@@ -444,12 +448,16 @@ def guard_worker(rank: int, n: int) -> dict[str, list]:
     return got
 
 
-def test_a_flat_gradient_takes_two_rounds_the_guard_inside_the_index_message(tmp_path) -> None:
+@pytest.mark.parametrize("scale", [None, 3.0 * 2**12], ids=["unscaled", "grad-scaler"])
+def test_a_flat_gradient_takes_two_rounds_the_guard_inside_the_index_message(
+    scale, tmp_path
+) -> None:
     """Where the gradient is one flat tensor (DDP's bucket, FSDP's shard) MiCRO selects from
-    e + g before writing the residual, and the guard's flag and step ride in the compact
-    message: two rounds instead of three, with bit for bit the same residuals and averages,
-    and a step with an Inf on one rank skipped on every rank with nothing changed."""
-    for got in run_ranks(guard_worker, 2, tmp_path):
+    e + g before writing the residual (e + g / scale under a ``GradScaler``), and the guard's
+    flag and step ride in the compact message: two rounds instead of three, with bit for bit
+    the same residuals and averages, and a step with an Inf on one rank skipped on every rank
+    with nothing changed."""
+    for got in run_ranks(guard_worker, 2, tmp_path, scale):
         # the first step reads the guard on the host (after a start), the others do not
         assert [whats for whats, *_ in got["flat"]] == [["indices", "values"]] * 5
         assert [whats for whats, *_ in got["list"]] == [["guard", "indices", "values"]] * 5

@@ -18,7 +18,7 @@ whole protocol of one step, top to bottom:
 
 Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
 select from e + g before it is written (MiCRO's quotas on the compact wire, plain error
-feedback, no density warm-up, no ``GradScaler``), the step is two rounds instead of three:
+feedback, no density warm-up), the step is two rounds instead of three:
 this rank selects from |e + g|, its guard message rides in the compact index message, and
 only then, the verdict known, a = e + g is written (:meth:`SparseStep._guard_in_message`);
 the same selection, the same bytes.
@@ -256,8 +256,9 @@ class SparseStep:
         """
         self._snapshot = self.sparsifier.state_dict()
         clock = _Clock(self.feedback.residual.device)
-        if self._selects_first(fresh, scale):
-            return (yield from self._guard_in_message(step, fresh, output, exclude, clock))
+        if self._selects_first(fresh):
+            return (yield from self._guard_in_message(step, fresh, output, exclude, scale,
+                                                      clock))  # fmt: skip
         rows = yield from clock.local(_single(self.guard.request(fresh, step)))
         if isinstance(self.framing, Dense):
             return (yield from self._dense(step, fresh, output, rows, clock))
@@ -301,14 +302,14 @@ class SparseStep:
         return (yield from self._finish(step, exchanged, output, unused, skipped, scale, clock,
                                         (threshold, extra, select_seconds)))  # fmt: skip
 
-    def _selects_first(self, fresh: Fresh, scale: torch.Tensor | None) -> bool:
+    def _selects_first(self, fresh: Fresh) -> bool:
         """Whether this step selects from e + g before writing the residual, its guard riding
         in the index message (one round less): a framing with room for it, a sparsifier that
-        can, no round before selection, plain error feedback, one flat unscaled gradient."""
+        can, no round before selection, plain error feedback, one flat gradient."""
         sparsifier, feedback = self.sparsifier, self.feedback
         return (self.framing.carries_guard and sparsifier.selects_from_sum
                 and not (sparsifier.planned or sparsifier.agrees or self.schedule is not None)
-                and not (feedback.momentum or feedback.adam) and scale is None
+                and not (feedback.momentum or feedback.adam)
                 and isinstance(fresh, torch.Tensor) and fresh.is_contiguous()
                 and fresh.dtype == feedback.residual.dtype)  # fmt: skip
 
@@ -318,17 +319,19 @@ class SparseStep:
         fresh: torch.Tensor,
         output: Output,
         exclude: Sequence[tuple[int, int]],
+        scale: torch.Tensor | None,
         clock: _Clock,
     ) -> Protocol_:
-        """The step in two rounds: select from e + g, exchange the positions with every rank's
-        guard, then (the verdict known) write a = e + g, send the values, keep the rest.
+        """The step in two rounds: select from e + g (e + g / scale under a ``GradScaler``),
+        exchange the positions with every rank's guard, then (the verdict known) write a, send
+        the values, keep the rest.
 
         Nothing is written before the index round, so a step the guard fails there, read on
         the host or not, changes nothing: the same outcomes as a guard round of its own."""
         sparsifier, residual = self.sparsifier, self.feedback.residual
         guard = self.guard.message(fresh, step)
         flat = fresh.view(-1)
-        local = sparsifier.select(residual, step, addend=flat)  # type: ignore[call-arg]
+        local = sparsifier.select(residual, step, addend=flat, divisor=scale)  # type: ignore[call-arg]
         counts = sparsifier.counts(step)
         if exclude:
             local = local[~_inside(local, exclude)]
@@ -346,8 +349,8 @@ class SparseStep:
         else:
             skipped = self.guard.skip(rows)
             skip = skipped.to(torch.float32)
-        self.feedback.compensate(flat, step, skip)
-        return (yield from self._finish(step, exchanged, output, None, skipped, None, clock,
+        self.feedback.compensate(flat, step, skip, scale)
+        return (yield from self._finish(step, exchanged, output, None, skipped, scale, clock,
                                         timing))  # fmt: skip
 
     def _finish(

@@ -48,9 +48,10 @@ class Sparsifier(ABC):
       ``make_plan`` on the leader only, broadcasts that fixed-size tensor, and calls
       ``adopt_plan`` on every rank before ``select``; it returns every rank's count;
     - *selecting from a = e + g before it is written*: :attr:`selects_from_sum` and
-      ``select(residual, step, addend=gradient)``. The engine then selects before it
-      updates the residual, so that the guard's flags ride in the index message (one round
-      less) and a step skipped after that round has changed nothing;
+      ``select(residual, step, addend=gradient, divisor=scale)`` (from |e + g / scale|,
+      ``divisor`` None or a ``GradScaler``'s one-element scale). The engine then selects
+      before it updates the residual, so that the guard's flags ride in the index message
+      (one round less) and a step skipped after that round has changed nothing;
     - *reporting*: :meth:`report`, :attr:`threshold`, :meth:`partition`;
     - *benchmarks*: :meth:`settle` (start from a given threshold).
 
@@ -67,7 +68,8 @@ class Sparsifier(ABC):
     :meth:`entry_bytes` prices."""
     planned: ClassVar[bool] = False
     selects_from_sum: bool = False
-    """Whether :meth:`select` takes ``addend=``: it then selects from residual + addend."""
+    """Whether :meth:`select` takes ``addend=`` and ``divisor=``: it then selects from
+    residual + addend / divisor."""
     yardstick: ClassVar[bool] = False
     """A bound to measure methods against (``oracle``), left out of the benchmarks' defaults."""
     layout: Layout

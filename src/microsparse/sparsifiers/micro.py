@@ -261,10 +261,12 @@ class Micro(Sparsifier):
         step: int,
         scratch: torch.Tensor | None = None,
         addend: torch.Tensor | None = None,
+        divisor: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As :meth:`Sparsifier.select`; with ``addend`` (quotas only), from |accumulated +
-        addend| (the residual and the fresh gradient, before the engine adds them), read
-        into a buffer shared by every slab on the device."""
+        addend / divisor| (the residual and the fresh gradient, unscaled by a ``GradScaler``'s
+        one-element scale where given, before the engine adds them), read into a buffer
+        shared by every slab on the device."""
         part = self._part(step)
         size = self._partitions.size(part)
         self._threshold = math.nan if self._rule is None else self._rule.threshold
@@ -272,7 +274,7 @@ class Micro(Sparsifier):
             return torch.empty(0, dtype=torch.long, device=accumulated.device)
         if addend is not None:
             shared = _shared(accumulated, self._largest)
-            magnitude = self._owned_magnitudes(accumulated, step, shared, addend)
+            magnitude = self._owned_magnitudes(accumulated, step, shared, addend, divisor)
         elif self._magnitudes_of_step == step:  # this step's agreement computed them already
             magnitude = self._buffer(accumulated, "_scratch")[:size]
         else:
@@ -299,9 +301,10 @@ class Micro(Sparsifier):
         step: int,
         scratch: torch.Tensor | None = None,
         addend: torch.Tensor | None = None,
+        divisor: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """|a| of the owned partition (|a + addend| with ``addend``), read segment by segment
-        into ``scratch`` (lent by the engine) or a buffer of its own."""
+        """|a| of the owned partition (|a + addend / divisor| with ``addend``), read segment
+        by segment into ``scratch`` (lent by the engine) or a buffer of its own."""
         if scratch is None or scratch.numel() < self._largest or scratch.dtype != accumulated.dtype:
             scratch = self._buffer(accumulated, "_scratch")
         part = self._part(step)
@@ -315,8 +318,10 @@ class Micro(Sparsifier):
             out = scratch[offset : offset + count].view_as(segment.view)
             if more is None:
                 torch.abs(segment.view, out=out)
-            else:  # the same sum, rounded the same, as the engine's a = e + g after this
+            elif divisor is None:  # the same sum, rounded the same, as the engine's a = e + g
                 torch.add(segment.view, more.view, out=out).abs_()
+            else:  # e + g / scale, as the engine's fused kernel rounds it
+                torch.addcdiv(segment.view, more.view, divisor, out=out).abs_()
             offset += count
         return scratch[:offset]
 
