@@ -198,11 +198,14 @@ def test_resuming_keeps_the_saved_stop_unless_told_otherwise() -> None:
 # ---- non-finite steps that can be skipped ---------------------------------------------------
 
 
-def _skip_worker(rank: int, n: int, skip_at: int | None, nonfinite: str) -> list[dict]:
+def _skip_worker(
+    rank: int, n: int, skip_at: int | None, nonfinite: str, sparsifier: str = "micro",
+    options: dict | None = None,
+) -> list[dict]:
     """Six steps of made-up gradients; at ``skip_at`` rank 0's gradient has an Inf in the
     smallest entries (where no selection would look). ``skip_at=None`` leaves that step out."""
     params = [torch.zeros(600, requires_grad=True), torch.zeros(40, 10, requires_grad=True)]
-    reducer = GradientReducer(params, "micro", 0.02, nonfinite=nonfinite)
+    reducer = GradientReducer(params, sparsifier, 0.02, nonfinite=nonfinite, **(options or {}))
     records = []
     for step in range(6):
         if skip_at is None and step == 2:
@@ -255,6 +258,19 @@ def test_a_skipped_step_keeps_every_residual_without_a_host_read(tmp_path) -> No
         assert all(torch.isfinite(g).all() for r in records[3:] for g in r["grads"])
     nan = [torch.cat([g.isnan().flatten() for g in records[2]["grads"]]) for records in ranks]
     assert torch.equal(nan[0], nan[1]) and int(nan[0].sum()) == 20  # k = ⌊0.02 · 1000⌋
+
+
+def test_top_ks_fixed_wire_skips_on_the_device_too(tmp_path) -> None:
+    """Top-k's fixed union has every size known, so its guard's verdict stays on the device as
+    MiCRO's does: the step with an Inf on rank 0 changes no residual, and the average is NaN
+    at the union's positions, the same on every rank."""
+    ranks = run_ranks(_skip_worker, 2, tmp_path, 2, "skip", "topk", {"wire": "fixed"})
+    for records in ranks:
+        assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+        assert torch.equal(records[2]["residual"], records[1]["residual"])
+        assert all(torch.isfinite(g).all() for r in records[3:] for g in r["grads"])
+    nan = [torch.cat([g.isnan().flatten() for g in records[2]["grads"]]) for records in ranks]
+    assert torch.equal(nan[0], nan[1]) and 20 <= int(nan[0].sum()) <= 40  # the union of 2 · k
 
 
 def _scaler_worker(rank: int, n: int, integration: str) -> dict:

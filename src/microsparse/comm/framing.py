@@ -241,10 +241,13 @@ class FixedUnion(Padded):
     holding that position's sum over the ranks, and all but the first are marked in
     :attr:`Exchanged.repeats` (one sort of n·k indices), so that its average is written
     once. Every rank sends the same values as with the union, at n·k / K times its bytes;
-    nothing is read back to the host. (Where DDP leaves out unused parameters, a rank keeps
-    its k slots and sends 0 at the positions there, as with a leader's plan.) The sparsifier
-    is not told the union's size (:meth:`~microsparse.sparsifiers.Sparsifier.update`): that
-    would read it.
+    nothing is read back to the host. The residuals are the union's bit for bit; the
+    averages too with 2 ranks, and beyond to the all-reduce's order of summation, which
+    follows the slot. Where DDP leaves out the parameters a rank did not use, that rank
+    keeps its k slots and sends 0 at every position inside them, keeping its residual there
+    (as with a leader's plan), where the union would send its residual at another rank's
+    picks there; such a step reads its guard on the host. The sparsifier is not told the
+    union's size (:meth:`~microsparse.sparsifiers.Sparsifier.update`): that would read it.
 
     Example:
         >>> FixedUnion.collectives(slots=300, index_bytes=4)

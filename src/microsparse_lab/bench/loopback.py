@@ -162,7 +162,9 @@ def _bare_rounds(stats: StepStats, reducer: GradientReducer) -> dict[str, Any]:
     message = torch.zeros(int(size) // width, dtype=dtype)
     named = reducer.sparse_options.value_dtype
     wire = named or reducer.sparsifier.framing().value_dtype or torch.float32
-    values = torch.zeros(stats.selected, dtype=wire)
+    # a fixed union all-reduces every rank's slots, repeats included
+    slots = stats.world_size * stats.max_local_selected
+    values = torch.zeros(slots if stats.exchange == "fixed_union" else stats.selected, dtype=wire)
 
     def index_round() -> None:
         comm.run(Collective("all_gather", message, "indices"))

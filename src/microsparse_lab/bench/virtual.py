@@ -103,7 +103,8 @@ class VirtualCluster:
             self.engines.append(SparseStep(sparsifier, feedback))
         union: dict[str, Any] = {}  # one per cluster: the last step's rows and their union
         for engine in self.engines:
-            if isinstance(engine.framing, Padded) and engine.framing.union:
+            # A fixed union decodes at known counts, deduplicating nothing: left as it is.
+            if type(engine.framing) is Padded and engine.framing.union:
                 engine.framing = SharedUnion(engine.framing, union)
         self.exchange = self.engines[0].framing.label
         self.target = self.engines[0].sparsifier.target
