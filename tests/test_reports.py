@@ -188,6 +188,8 @@ def test_report_of_several_dirs_needs_out(tmp_path, capsys):
     [
         (["--sparsifiers", "micro,nope"], "unknown 'nope'"),
         (["--sparsifiers", "micro,micro"], "named twice"),
+        (["--sparsifiers", "topk(wire=compact)"], "topk(wire=compact): wire must be one of"),
+        (["--sparsifiers", "micro(lr=1)"], "give lr after -- for every run"),
         (["--task", "no-such-task"], "argument --task:"),
         (["--", "--epochs", "1", "--out=x"], "--out after --"),
         (["--", "--budget", "0.01"], "--budget after --"),
@@ -235,6 +237,23 @@ def test_compare_at_equal_bytes_gives_every_run_the_budget(tmp_path):
     targets = {name: json.loads((out / name / "metrics.jsonl").read_text().splitlines()[0])
                ["target"] for name in commands}  # fmt: skip
     assert abs(targets["micro"] - 2 * targets["topk"]) <= 2, targets
+
+
+def test_compare_runs_a_sparsifier_with_its_own_options_beside_its_default(tmp_path):
+    """``name(key=value,...)``: the run's train gets those options, its directory and its row
+    carry the label, so top-k's two wires stand side by side."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--sparsifiers", "topk,topk(wire=fixed)", "--workers", "2",
+                 "--density", "0.01", "--out", str(out), "--no-plots", "--",
+                 "--max-steps", "2", "--batch-size", "16", "--epochs", "1"]) == 0  # fmt: skip
+    commands = json.loads((out / "compare.json").read_text())["commands"]
+    assert list(commands) == ["topk", "topk(wire=fixed)"]
+    assert commands["topk(wire=fixed)"][commands["topk(wire=fixed)"].index("--wire") + 1] == "fixed"
+    assert "--wire" not in commands["topk"]
+    exchanges = {name: json.loads((out / name / "metrics.jsonl").read_text().splitlines()[0])
+                 ["exchange"] for name in commands}  # fmt: skip
+    assert exchanges == {"topk": "union", "topk(wire=fixed)": "fixed_union"}
+    assert [row["run"] for row in read_csv(out / "results.csv")] == list(commands)
 
 
 def write_seed(directory: Path, sparsifier: str, metric: str, values: list[float], seed: int):

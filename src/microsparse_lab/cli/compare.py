@@ -1,11 +1,14 @@
 """``microsparse compare``: the same task and seed once per sparsifier, then one report.
 
 Each run is an ordinary ``microsparse train`` (the same entry point, in this process), into
-``OUT/<sparsifier>``; options after ``--`` go to every run unchanged.
+``OUT/<sparsifier>``; options after ``--`` go to every run unchanged. A sparsifier may carry
+its own options as ``name(key=value,...)`` (those ``train`` offers: ``selection``,
+``threshold_rule``, ``partitioning``, ``index_message``, ``wire``), its run then labelled so.
 
 Example:
     $ microsparse compare --sparsifiers dense,topk,micro --workers 4 --out runs/cmp -- --epochs 2
     $ microsparse compare --budget 0.002 --out runs/cmp-bytes   # at equal bytes, not entries
+    $ microsparse compare --sparsifiers 'topk,topk(wire=fixed),micro(wire=plain)'
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from microsparse.sparsifiers import available_sparsifiers
+from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse_lab import arguments
 from microsparse_lab.cli import train as train_command
 from microsparse_lab.cli.report import add_target, fail, write
+from microsparse_lab.methods.names import parse_variant, split_labels
 from microsparse_lab.reports import RunError, load_runs
+from microsparse_lab.training.config import SPARSIFIER_OPTIONS
 
 PAPER_SPARSIFIERS = ("dense", "topk", "cltk", "hard_threshold", "sage", "deft", "micro")
 """The sparsifiers of the paper's comparison, in the order tables and legends show them."""
@@ -49,7 +54,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add(
         "--sparsifiers",
         default=",".join(PAPER_SPARSIFIERS),
-        help="comma-separated names, or 'all' (default: %(default)s)",
+        help="comma-separated names, each with its own options as name(key=value,...) if it "
+        "needs them (e.g. topk(wire=fixed)), or 'all' (default: %(default)s)",
     )
     add("--workers", type=arguments.positive_int, default=4, help="(default: %(default)s)")
     add(
@@ -101,17 +107,17 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"runs/compare-{args.task or 'default'}-{stamp}")
     commands = {
-        name: [
+        label: [
             "train",
             *task_options,
-            *("--sparsifier", name, "--workers", str(args.workers)),
+            *("--sparsifier", name, *flags, "--workers", str(args.workers)),
             *_amount(args),
             *("--seed", str(args.seed)),
-            *("--out", str(out / name)),
+            *("--out", str(out / label)),
             *([] if args.progress else ["--no-progress"]),
             *args.train_args,
         ]
-        for name in sparsifiers
+        for label, (name, flags) in sparsifiers.items()
     }
     # Bad pass-through options fail here, once, before any run starts.
     for argv in commands.values():
@@ -123,7 +129,7 @@ def _compare(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         return fail(parser, f"argument --out: cannot create directory {str(out)!r}: {error}")
-    record = {"task": args.task, "runs": sparsifiers, "commands": commands, "failed": {}}
+    record = {"task": args.task, "runs": list(sparsifiers), "commands": commands, "failed": {}}
     for name, argv in commands.items():
         if args.skip_done and (out / name / "summary.json").exists():
             print(f"== {name}: kept the finished run in {out / name}", flush=True)
@@ -159,22 +165,44 @@ def _run(main: Callable[[list[str]], int], argv: list[str]) -> int:
         return int(exit.code) if isinstance(exit.code, int) else 1
 
 
-def _parse_sparsifiers(text: str) -> list[str] | str:
-    """The names in ``text`` (or every registered one for 'all'), else an error message."""
+def _parse_sparsifiers(text: str) -> dict[str, tuple[str, list[str]]] | str:
+    """Each run's label and its sparsifier with train's flags for the options it names
+    (every registered sparsifier for 'all'), else an error message.
+
+    Example:
+        >>> _parse_sparsifiers("topk,topk(wire=fixed)")
+        {'topk': ('topk', []), 'topk(wire=fixed)': ('topk', ['--wire', 'fixed'])}
+    """
     known = available_sparsifiers()
     if text.strip() == "all":
-        return [name for name in PAPER_SPARSIFIERS if name in known] + [
-            name for name in known if name not in PAPER_SPARSIFIERS
-        ]
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        return f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(known)}"
-    if not names:
-        return "no sparsifier named"
-    if len(set(names)) < len(names):
+        names = [name for name in PAPER_SPARSIFIERS if name in known]
+        return {name: (name, []) for name in [*names, *(n for n in known if n not in names)]}
+    try:
+        runs = split_labels(text, once=False)
+    except ValueError:
+        return "no sparsifier named" if not text.strip(",").strip() else f"cannot read {text!r}"
+    if len(set(runs)) < len(runs):
         return "a sparsifier is named twice"
-    return names
+    chosen: dict[str, tuple[str, list[str]]] = {}
+    for label in runs:
+        try:
+            variant = parse_variant(label)
+        except ValueError as error:
+            return str(error)
+        if variant.name not in known:
+            return f"unknown {variant.name!r}; choose from {', '.join(known)}"
+        other = sorted(set(variant.options) - set(SPARSIFIER_OPTIONS))
+        if other:
+            return (f"{label!r}: a run's options are train's {', '.join(SPARSIFIER_OPTIONS)}; "
+                    f"give {', '.join(other)} after -- for every run")  # fmt: skip
+        try:  # options that cannot work together fail here, before any run starts
+            create_sparsifier(variant.name, 0.5, **variant.options)
+        except (TypeError, ValueError) as error:
+            return f"{label}: {error}"
+        flags = [part for key, value in variant.options.items()
+                 for part in (f"--{key.replace('_', '-')}", str(value))]  # fmt: skip
+        chosen[label] = (variant.name, flags)
+    return chosen or "no sparsifier named"
 
 
 def _task_options(task: str | None) -> tuple[list[str], str | None]:

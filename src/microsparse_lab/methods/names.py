@@ -149,12 +149,15 @@ def find_variants(labels: tuple[str, ...] | None, density: float = 0.001) -> lis
     return chosen
 
 
-def split_labels(text: str) -> tuple[str, ...]:
-    """Comma-separated labels, once each; commas inside ``name(key=value,...)`` stay.
+def split_labels(text: str, once: bool = True) -> tuple[str, ...]:
+    """Comma-separated labels, once each (all of them if not ``once``); commas inside
+    ``name(key=value,...)`` stay.
 
     Example:
         >>> split_labels("topk,micro(selection=threshold,partitioning=contiguous),topk")
         ('topk', 'micro(selection=threshold,partitioning=contiguous)')
+        >>> split_labels("topk,topk", once=False)
+        ('topk', 'topk')
     """
     parts, depth, current = [], 0, ""
     for char in text:
@@ -167,7 +170,7 @@ def split_labels(text: str) -> tuple[str, ...]:
     parts = [part for part in (*parts, current.strip()) if part]
     if not parts or depth:
         raise ValueError(f"expected comma-separated labels, got {text!r}")
-    return tuple(dict.fromkeys(parts))
+    return tuple(dict.fromkeys(parts)) if once else tuple(parts)
 
 
 def parse_variant(label: str) -> Variant:
