@@ -110,3 +110,65 @@ def test_captured_gradients_are_each_ranks_local_flat_gradient(runs):
         assert torch.isfinite(gradient).all() and gradient.abs().sum() > 0
     # Before averaging, ranks see different batches: their gradients differ.
     assert not torch.equal(grads["grad-rank0-step000000.pt"], grads["grad-rank1-step000000.pt"])
+
+
+READ_LATE = {  # the Pending numbers of each driver and framing, read steps after they were made
+    "loop": dict(),
+    "hook": dict(integration="ddp"),
+    "hook, fixed top-k": dict(integration="ddp", sparsifier="topk", wire="fixed"),
+    "loop, threshold": dict(selection="threshold"),
+}
+TIMES = ("compute_seconds", "step_seconds", "select_seconds", "exchange_seconds")
+
+
+def train_reading_every(rank: int, world_size: int, root: str) -> None:
+    for name, options in READ_LATE.items():
+        for every in (1, 4):
+            out = Path(root, f"{name}-{every}")
+            train(TrainConfig(task="mnist", max_steps=10, progress=False, log_every=every,
+                              out=str(out), **options))  # fmt: skip
+    for every in (1, 4):  # overflows at once: stops on every rank, before any checkpoint
+        out = f"{root}/nan-{every}"
+        config = TrainConfig(task="mnist", max_steps=10, progress=False, lr=1e30,
+                             log_every=every, checkpoint_every=4, out=out)  # fmt: skip
+        try:
+            train(config)
+        except Exception as error:  # noqa: BLE001 - what it was is the result
+            Path(root, f"nan-{every}-rank{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+
+
+@pytest.fixture(scope="module")
+def read_late(tmp_path_factory):
+    root = tmp_path_factory.mktemp("every")
+    run_ranks(train_reading_every, 2, root / "ranks", str(root))
+    return root
+
+
+@pytest.mark.parametrize("name", list(READ_LATE))
+def test_steps_read_every_n_record_what_each_step_read_at_once_records(read_late, name):
+    """--log-every reads a step's device numbers steps later: what it records must be what
+    that step made, not what the buffers hold by then (times aside; the mean loss to its last
+    bits, one all-reduce of several losses against one each)."""
+    at_once = read_lines(read_late / f"{name}-1" / "metrics.jsonl")
+    later = read_lines(read_late / f"{name}-4" / "metrics.jsonl")
+    assert [r["step"] for r in later] == list(range(10))
+    moving = "selected" if "top-k" in name else "threshold"  # a number each step changes
+    assert len({r[moving] for r in later}) > 1
+    for first, second in zip(at_once, later, strict=True):
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
+        assert all(second[t] >= 0 for t in TIMES)
+        same = {k: v for k, v in first.items() if k not in (*TIMES, "loss")}
+        assert {k: second[k] for k in same} == same
+    summaries = [json.loads((read_late / f"{name}-{e}" / "summary.json").read_text())
+                 for e in (1, 4)]  # fmt: skip
+    assert summaries[0]["test_accuracy"] == summaries[1]["test_accuracy"]
+    assert summaries[1]["config"]["log_every"] == 4
+
+
+def test_a_diverged_run_stops_on_every_rank_before_a_checkpoint_whatever_it_reads(read_late):
+    """Read every step, the library's own check raises at the step; read every 4, the
+    loop's check at the first read, before the step-4 checkpoint holds NaN weights."""
+    for every, error in ((1, "NonFiniteGradientError"), (4, "TrainingDiverged: step 1: the loss")):
+        said = {(read_late / f"nan-{every}-rank{r}.txt").read_text() for r in (0, 1)}
+        assert len(said) == 1 and next(iter(said)).startswith(error), said
+        assert not (read_late / f"nan-{every}" / "checkpoint").exists()

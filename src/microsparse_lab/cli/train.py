@@ -84,7 +84,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="replace an earlier run in the directory that finished or has a checkpoint "
         "(its files and checkpoint; a file microsparse did not write is never replaced)",
     )
-    add_fields(run, TrainConfig, "capture_gradients", "capture_steps", "progress")
+    add_fields(run, TrainConfig, "capture_gradients", "capture_steps", "progress", "log_every")
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -32,9 +32,12 @@ RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
 VALUE_DTYPES = ("float16", "bfloat16")
 """``value_dtype`` choices: torch dtypes that the sparse values may travel in."""
 RESUMABLE_CHANGES = (
-    "epochs", "max_steps", "progress", "checkpoint_every", "checkpoint_per_epoch", "timeout",
+    "epochs", "max_steps", "progress", "log_every", "checkpoint_every", "checkpoint_per_epoch",
+    "timeout",
 )  # fmt: skip
 """What may differ from the checkpoint's config when resuming (the rest would not be exact)."""
+LOG_EVERY_ON_GPU = 20
+"""``log_every``'s default on a GPU: steps between the host's reads of the step's numbers."""
 
 
 class ConfigError(ValueError):
@@ -210,6 +213,13 @@ class TrainConfig:
     progress: bool = option(  # tqdm bar on rank 0
         True, flag="--no-progress", action="store_false", help="no progress bar"
     )
+    log_every: int | None = option(  # None: 1 on the CPU, LOG_EVERY_ON_GPU on a GPU
+        type=arguments.positive_int,
+        metavar="N",
+        help="read each step's loss, statistics and times on the host every N steps (each "
+        "step is still recorded): on a GPU a read makes the host wait for the device "
+        f"(default: 1 on the CPU, where nothing waits, {LOG_EVERY_ON_GPU} on a GPU)",
+    )
     integration: str = option(
         "loop",
         choices=("loop", "ddp", "fsdp"),
@@ -330,6 +340,8 @@ class TrainConfig:
             filled["decay_epochs"] = tuple(self.decay_epochs)
         if self.betas is not None:
             filled["betas"] = tuple(self.betas)
+        if self.log_every is None:
+            filled["log_every"] = LOG_EVERY_ON_GPU if self.device == "cuda" else 1
         if self.adam_correction is None:
             filled["adam_correction"] = _adam_correction_applies(dataclasses.replace(
                 self, **filled))  # fmt: skip
@@ -350,6 +362,7 @@ class TrainConfig:
         _check_recipe(self)
         _check_sparse_options(self)
         _require(_whole(self.checkpoint_every, 0), "checkpoint_every", "must be >= 0")
+        _require(self.log_every is None or _whole(self.log_every, 1), "log_every", "must be >= 1")
         _require(self.max_steps is None or _whole(self.max_steps, 1), "max_steps", "must be >= 1")
 
 

@@ -31,6 +31,7 @@ from microsparse_lab.training.checkpoint import Position, Resumable, load_checkp
 from microsparse_lab.training.config import TrainConfig
 from microsparse_lab.training.log import RunLog
 from microsparse_lab.training.optim import build_optimizer, learning_rate
+from microsparse_lab.training.pending import PendingSteps
 from microsparse_lab.training.sharding import HybridSharding, mesh_of, mesh_shape, sharded
 from microsparse_lab.training.tasks import EpochSlice, Task, get_task
 
@@ -76,6 +77,8 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
     log = None
     if rank == 0:
         log = RunLog(config, task.metrics, total_steps, start if config.resume else None)
+    assert config.log_every is not None  # resolved
+    pending = PendingSteps(config.log_every, device, log, averaging.stops_on_nonfinite)
 
     def checkpoint(at: Position, epoch_state: dict[str, Any] | None) -> None:
         seconds = seconds_before + time.perf_counter() - started
@@ -95,26 +98,24 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
             lr = learning_rate(config, step, steps_per_epoch, world_size)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            step_started = time.perf_counter()
+            began = pending.mark()
             optimizer.zero_grad()
             loss = batches.loss(averaging.model, index)
             loss.backward()
             if capture is not None:
                 capture.save(model, step)
-            _wait_for(device)
-            compute_seconds = time.perf_counter() - step_started
+            backward = pending.mark()
             stats = averaging.synchronize()
             if config.clip:
                 nn.utils.clip_grad_norm_(model.parameters(), config.clip)
             optimizer.step()
-            mean_loss = _mean_over_ranks(loss.detach())
-            step_seconds = time.perf_counter() - step_started
-            if log:
-                log.step(step, epoch, mean_loss, lr, compute_seconds, step_seconds, stats)
+            pending.add(step, epoch, loss, lr, (began, backward, pending.mark()), stats)
             step += 1
             position = Position(epoch, index + 1, step)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
+                pending.read()  # a diverged step raises before its checkpoint is written
                 checkpoint(position, batches.state_dict())
+        pending.read()
         if log or config.integration == "fsdp":  # a sharded model's forward needs every rank
             model.eval()
             scores = task.evaluate(model, data, config.task_options)
@@ -176,9 +177,12 @@ class Averaging:
         self._peer: PeerAveraging | HybridSharding | None = None
         self.mesh: dict[str, int] | None = None  # a sharded model's (replicate, shard) sizes
         options: dict[str, Any] = config.sparsifier_options()
-        if config.min_speedup is None:  # whose dense passes are DDP's own, which cannot raise
-            # A run that diverges stops with the error on every rank (the loop reads every
-            # step's loss anyway, so the host check costs nothing more).
+        self.stops_on_nonfinite = config.ddp_hook == "microsparse" and config.min_speedup is None
+        """A run that diverges stops with an error on every rank (not with ``min_speedup``,
+        whose dense passes are DDP's own, nor with a peer hook: neither can raise)."""
+        if self.stops_on_nonfinite and config.log_every == 1:
+            # The loop reads every step's loss anyway, so the library's own check, which
+            # reads its verdict on the host, costs nothing more and names the gradient's step.
             options["nonfinite"] = "raise"
         if config.momentum_correction:  # the optimiser then runs without momentum
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
@@ -304,11 +308,3 @@ class PeerAveraging:
         return stats
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value.item() / dist.get_world_size()
-
-
-def _wait_for(device: torch.device) -> None:
-    if device.type == "cuda":  # kernels run asynchronously: time them, not their launch
-        torch.cuda.synchronize(device)
