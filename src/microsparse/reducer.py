@@ -212,6 +212,9 @@ class GradientReducer:
         None."""
         return self._feedback.moments
 
+    # Inside a torch.compile'd training step this runs as Python, not traced: its
+    # collectives, fused kernels and host-side bookkeeping are a graph break of their own.
+    @torch.compiler.disable
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
         clock = _Wall(self._feedback.residual.device)
