@@ -3,14 +3,18 @@ and the gradient-capture files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_ranks
+from microsparse.engine import dense_stats
 from microsparse_lab.training import TrainConfig, train
+from microsparse_lab.training.pending import PendingSteps, TrainingDiverged
 from tiny_datasets import write_cifar, write_ratings, write_wikitext
 
 TINY_LSTM = {"units": 8, "layers": 1, "dropout": 0.0}
@@ -127,6 +131,10 @@ def train_reading_every(rank: int, world_size: int, root: str) -> None:
             out = Path(root, f"{name}-{every}")
             train(TrainConfig(task="mnist", max_steps=10, progress=False, log_every=every,
                               out=str(out), **options))  # fmt: skip
+    resumed = f"{root}/resumed"  # checkpointed reading every step, resumed reading every 3
+    train(TrainConfig(task="mnist", max_steps=6, progress=False, checkpoint_every=3, out=resumed))
+    train(TrainConfig(task="mnist", max_steps=9, progress=False, checkpoint_every=3, log_every=3,
+                      resume=True, out=resumed))  # fmt: skip
     for every in (1, 4):  # overflows at once: stops on every rank, before any checkpoint
         out = f"{root}/nan-{every}"
         config = TrainConfig(task="mnist", max_steps=10, progress=False, lr=1e30,
@@ -166,9 +174,48 @@ def test_steps_read_every_n_record_what_each_step_read_at_once_records(read_late
 
 
 def test_a_diverged_run_stops_on_every_rank_before_a_checkpoint_whatever_it_reads(read_late):
-    """Read every step, the library's own check raises at the step; read every 4, the
-    loop's check at the first read, before the step-4 checkpoint holds NaN weights."""
-    for every, error in ((1, "NonFiniteGradientError"), (4, "TrainingDiverged: step 1: the loss")):
+    """On the CPU the library's own check raises at the step, whatever the loop reads; no
+    checkpoint holds NaN weights. (On a GPU the check stays on the device and the loop stops
+    at its next read: test_pending_steps_stop_a_diverged_run_on_every_rank.)"""
+    for every in (1, 4):
         said = {(read_late / f"nan-{every}-rank{r}.txt").read_text() for r in (0, 1)}
-        assert len(said) == 1 and next(iter(said)).startswith(error), said
+        assert len(said) == 1 and next(iter(said)).startswith("NonFiniteGradientError"), said
         assert not (read_late / f"nan-{every}" / "checkpoint").exists()
+
+
+def test_a_run_resumes_reading_at_another_cadence(read_late):
+    """log_every changes only when the host reads: a run checkpointed reading every step
+    resumes reading every 3 and records what the uninterrupted run did."""
+    resumed = read_lines(read_late / "resumed" / "metrics.jsonl")
+    whole = read_lines(read_late / "loop-1" / "metrics.jsonl")[:9]
+    assert [r["step"] for r in resumed] == list(range(9))
+    for first, second in zip(whole, resumed, strict=True):
+        assert {k: second[k] for k in first if k not in TIMES} == {
+            k: v for k, v in first.items() if k not in TIMES
+        }
+
+
+def diverging_steps(rank: int, n: int, case: str) -> str:
+    pending = PendingSteps(every=4, device=torch.device("cpu"), log=None, check_finite=True)
+    for step in range(4):
+        stats = dense_stats(step, 10, n, target=10, bytes_sent=0, dense_bytes=0)
+        nan = case == "loss" and rank == 1 and step == 2
+        if case == "gradient" and step == 1:
+            stats = dataclasses.replace(stats, skipped=True)
+        try:
+            pending.add(step, 0, torch.tensor(math.nan if nan else 1.0), 0.1, (0.0, 0.0, 0.0),
+                        stats)  # fmt: skip
+        except TrainingDiverged as error:
+            return f"step {step}: {error}"
+    return "went on"
+
+
+@pytest.mark.parametrize(
+    ("case", "said"),
+    [("loss", "step 3: step 2: the loss"), ("gradient", "step 3: step 1: the gradient")],
+)
+def test_pending_steps_stop_a_diverged_run_on_every_rank(case, said, tmp_path):
+    """A NaN loss on one rank, or a step the library skipped for a non-finite gradient (its
+    sync-free "skip"): every rank raises at the read after it (the 4th step), naming it."""
+    for result in run_ranks(diverging_steps, 2, tmp_path, case):
+        assert result.startswith(said), result

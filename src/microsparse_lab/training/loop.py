@@ -180,9 +180,11 @@ class Averaging:
         self.stops_on_nonfinite = config.ddp_hook == "microsparse" and config.min_speedup is None
         """A run that diverges stops with an error on every rank (not with ``min_speedup``,
         whose dense passes are DDP's own, nor with a peer hook: neither can raise)."""
-        if self.stops_on_nonfinite and config.log_every == 1:
-            # The loop reads every step's loss anyway, so the library's own check, which
-            # reads its verdict on the host, costs nothing more and names the gradient's step.
+        if self.stops_on_nonfinite and config.device != "cuda":
+            # On the CPU nothing waits for a device: the library's own check, read on the host,
+            # costs nothing and stops the step itself. On a GPU the step keeps its verdict on
+            # the device ("skip") and the loop stops at its next read (PendingSteps); either
+            # way the choice follows the device, so a resumed run may read at another cadence.
             options["nonfinite"] = "raise"
         if config.momentum_correction:  # the optimiser then runs without momentum
             options.update(momentum_correction=config.momentum, momentum_nesterov=config.nesterov)
