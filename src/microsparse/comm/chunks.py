@@ -76,10 +76,12 @@ class ChunkCodec:
         sorted_offsets = offsets.sort().values
         count = sorted_offsets.numel()
         bounds = self._chunk_bounds(device)
-        ends = torch.searchsorted(sorted_offsets, bounds)  # picks below each chunk's end
-        counts = ends.diff(prepend=ends.new_zeros(1))
-        half[: self.chunks] = counts  # at most 65,535 (or 32,768): the low 16 bits, exact
-        half[self.chunks : self.chunks + count] = sorted_offsets.bitwise_and(self.span - 1)
+        ends = torch.searchsorted(sorted_offsets, bounds)  # picks below each chunk's start
+        # Written straight into the message (int64 results kept to their low 16 bits): a
+        # count is at most 65,535 (or 32,768), exact; an offset's low bits, as decode reads.
+        counts, low = half[: self.chunks], half[self.chunks : self.chunks + count]
+        torch.sub(ends[1:], ends[:-1], out=counts)
+        torch.bitwise_and(sorted_offsets, self.span - 1, out=low)
         half[self.chunks + count :] = 0  # what is not an offset must not leak
         return out
 
@@ -114,8 +116,8 @@ class ChunkCodec:
         return half[:, : self.chunks].long().bitwise_and_(0xFFFF).sum(1).tolist()
 
     def _chunk_bounds(self, device: torch.device) -> torch.Tensor:
-        if self._bounds.numel() != self.chunks or self._bounds.device != device:
-            self._bounds = torch.arange(1, self.chunks + 1, device=device) << self.shift
+        if self._bounds.numel() != self.chunks + 1 or self._bounds.device != device:
+            self._bounds = torch.arange(0, self.chunks + 1, device=device) << self.shift
         return self._bounds
 
     def _marks(self, n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
