@@ -107,7 +107,7 @@ class ChunkCodec:
         marks.zero_().view(-1).scatter_add_(0, at, ones)
         chunk = marks[:, : self.capacity].cumsum(1)
         low = half[:, self.chunks : self.chunks + self.capacity].long().bitwise_and_(0xFFFF)
-        offsets = low.add_(chunk.bitwise_left_shift_(self.shift))
+        offsets = low.add_(chunk, alpha=self.span)  # chunk · span + low bits
         return offsets.view(-1).index_select(0, self._keep(counts, rows.device))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
