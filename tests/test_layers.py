@@ -295,7 +295,8 @@ def strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_library_imports_without_the_harness_dependencies() -> None:
     """``pip install microsparse`` brings torch only: every library module imports without
-    numpy, tqdm or matplotlib (a subprocess in which importing them fails)."""
+    numpy, tqdm or matplotlib (a subprocess in which importing them fails), and without
+    torch's compiler, which only a compiled step needs."""
     library = sorted(name for name in MODULES if name.split(".")[0] == "microsparse")
     script = f"""
 import importlib, importlib.abc, sys
@@ -308,8 +309,10 @@ sys.meta_path.insert(0, Blocker())
 for name in {library!r}:
     importlib.import_module(name)
 print("imported", len({library!r}))
+print("dynamo", "torch._dynamo" in sys.modules)  # a second of import, for torch.compile only
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"imported {len(library)}" in result.stdout
+    assert "dynamo False" in result.stdout

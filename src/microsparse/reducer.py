@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
+import functools
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -19,7 +19,8 @@ from microsparse.comm.collectives import (
 )
 from microsparse.engine import GradientOutput, SparseStep, run_blocking
 from microsparse.engine.stats import step_stats
-from microsparse.engine.step import NonFinite, elapsed_seconds, scaler_scale
+from microsparse.engine.step import NonFinite, scaler_scale
+from microsparse.engine.timing import elapsed, mark
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.options import SparseOptions
@@ -29,6 +30,20 @@ from microsparse.sparsifiers.warmup import DensityWarmup
 from microsparse.stats import Pending, StepStats
 
 ParameterSource = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def _eager(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, never traced by ``torch.compile``: torch.compiler.disable applied at its
+    first call (applied at import, it would import dynamo with the library: a second)."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(method)
+    def run_eagerly(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disabled.append(torch.compiler.disable(method))
+        return disabled[0](*args, **kwargs)
+
+    return run_eagerly
 
 
 class GradientReducer:
@@ -214,10 +229,11 @@ class GradientReducer:
 
     # Inside a torch.compile'd training step this runs as Python, not traced: its
     # collectives, fused kernels and host-side bookkeeping are a graph break of their own.
-    @torch.compiler.disable
+    @_eager
     def synchronize(self) -> StepStats:
         """Average the current gradients sparsely across all ranks; see the class docstring."""
-        clock = _Wall(self._feedback.residual.device)
+        device = self._feedback.residual.device
+        began = mark(device)
         fresh = [p.grad for p in self._params]
         if all(gradient is None for gradient in fresh):  # would average zeros into every .grad
             raise RuntimeError(
@@ -231,7 +247,7 @@ class GradientReducer:
         except BaseException:
             self._engine.rollback()
             raise
-        wall, select = clock.wall(), report.select_seconds
+        wall, select = elapsed(began, mark(device)), report.select_seconds
         waited = Pending.combine(lambda t: max(0.0, t[0] - t[1]), [wall, select])
         self.last_step = step_stats(
             self.step, self.world_size, [(self._engine, report)],
@@ -302,23 +318,6 @@ class GradientReducer:
         self.sparsifier.load_state_dict(state["sparsifier"])
         self.step = int(state["step"])
         self._engine.check_next = True  # the ranks' steps are compared at the next call
-
-
-class _Wall:
-    """Wall time of a call: the host's clock on a CPU, CUDA events (read when asked) on a GPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._start: Any = time.perf_counter()
-        if device.type == "cuda":
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-
-    def wall(self) -> float | Pending:
-        if isinstance(self._start, float):
-            return time.perf_counter() - self._start
-        begin, end = self._start, torch.cuda.Event(enable_timing=True)
-        end.record()
-        return Pending(lambda: elapsed_seconds(begin, end))
 
 
 def _trainable_parameters(params: ParameterSource) -> tuple[list[str], list[torch.Tensor]]:

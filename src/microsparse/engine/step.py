@@ -68,6 +68,7 @@ import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
 from microsparse.comm.framing import Dense, Exchanged, Fixed, FixedUnion, Proposal, Shared
+from microsparse.engine.timing import elapsed, mark
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, flag_nonfinite
 from microsparse.sparsifiers import Sparsifier
@@ -563,17 +564,11 @@ class _Clock:
     events, read only when asked."""
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._cuda = device.type == "cuda"
-        self._mark = self._now()
+        self._mark = mark(device)
         self._local = 0.0
         self._requests: list[Collective] = []
-
-    def _now(self) -> Any:
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def local(self, protocol: Generator[Collective, torch.Tensor, Any]) -> Generator[
         Collective, torch.Tensor, Any
@@ -594,11 +589,10 @@ class _Clock:
 
     def lap(self) -> float | Pending:
         """Local seconds since the previous lap."""
-        now = self._now()
+        now = mark(self._device)
         if self._cuda:
-            begin = self._mark
-            self._mark = now
-            return Pending(lambda: elapsed_seconds(begin, now))
+            begin, self._mark = self._mark, now
+            return elapsed(begin, now)
         seconds, self._local, self._mark = self._local + now - self._mark, 0.0, now
         return seconds
 
@@ -613,12 +607,6 @@ class _Clock:
         for request in self._requests:
             sizes[request.what] = sizes.get(request.what, 0) + request.nbytes
         return sizes
-
-
-def elapsed_seconds(begin: torch.cuda.Event, end: torch.cuda.Event) -> float:
-    """Seconds between two recorded CUDA events (waits for ``end``: read only when asked)."""
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3
 
 
 def run_blocking(protocol: Protocol_, collectives: Collectives) -> StepReport:

@@ -11,13 +11,13 @@ On the CPU nothing waits; the times are the host's clock.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from microsparse.engine import mark, seconds_between
 from microsparse.stats import StepStats
 from microsparse_lab.training.log import RunLog
 
@@ -62,18 +62,14 @@ class PendingSteps:
         self, every: int, device: torch.device, log: RunLog | None, check_finite: bool = False
     ) -> None:
         self.every = every
-        self._cuda = device.type == "cuda"
+        self._device = device
         self._log = log
         self._check_finite = check_finite
         self._steps: list[_Step] = []
 
     def mark(self) -> Any:
         """Now, on the host's clock, or as a CUDA event in the current stream (no wait)."""
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self._device)
 
     def add(
         self,
@@ -109,12 +105,5 @@ class PendingSteps:
             if self._log is not None:
                 start, backward, end = kept.marks
                 self._log.step(kept.step, kept.epoch, loss, kept.lr,
-                               _seconds(start, backward), _seconds(start, end),
+                               seconds_between(start, backward), seconds_between(start, end),
                                kept.stats)  # fmt: skip
-
-
-def _seconds(begin: Any, end: Any) -> float:
-    if isinstance(begin, float):
-        return end - begin
-    end.synchronize()
-    return begin.elapsed_time(end) / 1000
