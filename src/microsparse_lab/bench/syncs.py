@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +99,18 @@ SYNC_METHODS: tuple[str, ...] = ("tolist", "numpy", "cpu")
 would show a copy from the device (``tolist`` reads memory directly, ``cpu`` returns the
 tensor itself). ``np.asarray(t)`` goes through ``Tensor.numpy`` and counts too."""
 
+METADATA_OPS: frozenset[str] = frozenset(
+    f"aten::{name}"
+    for name in (
+        "view", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "slice", "select",
+        "narrow", "expand", "unsqueeze", "squeeze", "t", "transpose", "permute", "alias",
+        "detach", "view_as", "split", "split_with_sizes", "unbind", "lift_fresh", "empty",
+        "empty_strided", "empty_like", "new_empty", "resize_", "set_", "unfold",
+    )
+)  # fmt: skip
+"""Operators that change only a tensor's metadata or allocate it: no kernel runs on a GPU, so
+:attr:`HostSyncs.operators` leaves them out."""
+
 _WINDOW = "microsparse_lab.bench.syncs.count_host_syncs"
 
 
@@ -114,6 +126,10 @@ class HostSyncs:
 
     counts: dict[str, float]
     repeats: int
+    operators: float = 0.0
+    """ATen operators called from Python (or from torch's C++ around them) per call, none
+    inside another, views and allocations (:data:`METADATA_OPS`) left out: about the kernels
+    one call would launch on a GPU."""
 
     @property
     def total(self) -> float:
@@ -148,9 +164,11 @@ def count_host_syncs(work: Callable[[], Any], repeats: int = 1) -> HostSyncs:
         with _counting_methods() as method_calls, record_function(_WINDOW):
             for _ in range(repeats):
                 work()
-    counts = Counter(_sync_names(prof.events()))
+    events = list(prof.events())
+    counts = Counter(_sync_names(events))
     counts.update(method_calls)
-    return HostSyncs({name: counts[name] / repeats for name in sorted(counts)}, repeats)
+    per_call = {name: counts[name] / repeats for name in sorted(counts)}
+    return HostSyncs(per_call, repeats, _operators(events) / repeats)
 
 
 def _every_thread() -> Any:
@@ -164,13 +182,30 @@ def _every_thread() -> Any:
         ) from error
 
 
-def _sync_names(events: Iterable[Any]) -> Iterator[str]:
-    """The name of every counted event that starts within the measurement, on any thread."""
-    events = list(events)
+def _within(events: list[Any]) -> Iterator[Any]:
+    """The events that start within the measurement, on any thread."""
     window = next(event for event in events if event.name == _WINDOW)
     start, end = window.time_range.start, window.time_range.end
-    for event in events:
-        if event.name in SYNC_OPS and start <= event.time_range.start <= end:
+    return (event for event in events if start <= event.time_range.start <= end)
+
+
+def _operators(events: list[Any]) -> int:
+    """Outermost ATen operators that run a kernel (see :attr:`HostSyncs.operators`)."""
+    count = 0
+    for event in _within(events):
+        if not event.name.startswith("aten::") or event.name in METADATA_OPS:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
+
+
+def _sync_names(events: list[Any]) -> Iterator[str]:
+    """The name of every counted event that starts within the measurement, on any thread."""
+    for event in _within(events):
+        if event.name in SYNC_OPS:
             name = _counted_name(event)
             if name is not None:
                 yield name

@@ -5,7 +5,9 @@ with each sparsifier at density 0.01: once through ``GradientReducer`` (the loop
 slab) and once through the DDP hook on DDP's 5 buckets of 0.05 MB. After 4 warm-up steps
 (DDP rebuilds its buckets after the first; the first step after a start reads its guard on
 purpose) the operations that would make a GPU's host wait are counted over 3 steps on every
-thread (:func:`~microsparse_lab.bench.syncs.count_host_syncs`) and printed per step, by name.
+thread (:func:`~microsparse_lab.bench.syncs.count_host_syncs`) and printed per step, by name,
+with the ATen operators that would launch a kernel on a GPU (views left out), the whole
+training step's, beside stock DDP's for the same step.
 
 Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.syncs_table``.
 """
@@ -86,9 +88,11 @@ def steady_syncs(
 
 
 def measure(rank: int, cases: Sequence[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each case's syncs per step through the loop API and the hook (every rank must call
-    it, after ``init_process_group``)."""
-    rows = []
+    """Each case's syncs per step through the loop API and the hook, after stock DDP's
+    (every rank must call it, after ``init_process_group``)."""
+    stock = nn.parallel.DistributedDataParallel(model(), bucket_cap_mb=BUCKET_CAP_MB)
+    rows = [{"sparsifier": "stock DDP", "options": {}, "loop": None,
+             "hook": steady_syncs(training_step(stock, rank))}]  # fmt: skip
     for name, options in cases:
         net = model()
         reducer = microsparse.GradientReducer(net.named_parameters(), name, DENSITY, **options)
@@ -116,11 +120,15 @@ def _worker(rank: int, init: str) -> None:
     rows = measure(rank, CASES)
     dist.barrier()
     if rank == 0:
-        print("| sparsifier | loop API | DDP hook (5 buckets) | what, in the hook |")
-        print("|---|---:|---:|---|")
+        print("| sparsifier | loop API | DDP hook (5 buckets) | what, in the hook | operators "
+              "a step, loop / hook |")  # fmt: skip
+        print("|---|---:|---:|---|---:|")
         for row in rows:
-            print(f"| `{_label(row)}` | {row['loop'].total:.3g} | {row['hook'].total:.3g} | "
-                  f"{_names(row['hook'])} |")  # fmt: skip
+            loop, hook = row["loop"], row["hook"]
+            syncs = "-" if loop is None else f"{loop.total:.3g}"
+            operators = "-" if loop is None else f"{loop.operators:.0f}"
+            print(f"| `{_label(row)}` | {syncs} | {hook.total:.3g} | {_names(hook)} | "
+                  f"{operators} / {hook.operators:.0f} |")  # fmt: skip
     dist.destroy_process_group()
 
 
