@@ -82,7 +82,8 @@ class ChunkCodec:
         counts, low = half[: self.chunks], half[self.chunks : self.chunks + count]
         torch.sub(ends[1:], ends[:-1], out=counts)
         torch.bitwise_and(sorted_offsets, self.span - 1, out=low)
-        half[self.chunks + count :] = 0  # what is not an offset must not leak
+        if self.chunks + count < half.numel():  # what is not an offset must not leak
+            half[self.chunks + count :] = 0
         return out
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -99,16 +100,17 @@ class ChunkCodec:
         half = rows.view(torch.int16)
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=rows.device)
-        ends = half[:, : self.chunks].long().bitwise_and_(0xFFFF).cumsum(1)
+        # Every 16-bit word read as unsigned, in one pass: the counts, then the low bits.
+        words = half[:, : self.chunks + self.capacity].long().bitwise_and_(0xFFFF)
+        ends = words[:, : self.chunks].cumsum(1)
         marks, row_starts, ones = self._marks(n, rows.device)
         # one flat row of n · (capacity + 1) counters: a 1-D scatter_add_ is deterministic on
         # CUDA too (torch.use_deterministic_algorithms), where a 2-D one may refuse to run
         at = ends.clamp_(max=self.capacity).add_(row_starts).view(-1)
         marks.zero_().view(-1).scatter_add_(0, at, ones)
         chunk = marks[:, : self.capacity].cumsum(1)
-        low = half[:, self.chunks : self.chunks + self.capacity].long().bitwise_and_(0xFFFF)
-        offsets = low.add_(chunk, alpha=self.span)  # chunk · span + low bits
-        return offsets.view(-1).index_select(0, self._keep(counts, rows.device))
+        words[:, self.chunks :].add_(chunk, alpha=self.span)  # offset: chunk · span + low bits
+        return words.view(-1).index_select(0, self._keep(counts, rows.device))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count, read from the gathered headers on the host (one read back)."""
@@ -132,13 +134,16 @@ class ChunkCodec:
         return self._mark_rows, self._row_starts, self._one_per_chunk
 
     def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
-        """Where each rank's offsets lie in the (n, capacity) slots, flattened: made once per
-        pattern of counts (they rotate with the step: a few per rank)."""
+        """Where each rank's offsets lie in its row of words (its chunk counts first),
+        flattened: made once per pattern of counts (they rotate with the step: a few per
+        rank)."""
         key = (tuple(counts), device)
         keep = self._known.get(key)
         if keep is None:
             if len(self._known) > 4 * len(counts):
                 self._known.clear()
-            slots = [r * self.capacity + i for r, count in enumerate(counts) for i in range(count)]
+            width = self.chunks + self.capacity
+            slots = [r * width + self.chunks + i for r, count in enumerate(counts)
+                     for i in range(count)]  # fmt: skip
             keep = self._known[key] = torch.tensor(slots, dtype=torch.long, device=device)
         return keep
