@@ -1,13 +1,12 @@
 """torch.compile with each integration, on real gloo ranks, with inductor (the default backend).
 
-What a user compiles: the DDP model (DDP's graph splits at its buckets, and the hook runs on
-them as without compile), a whole training step that calls ``GradientReducer.synchronize()``
-(which runs eagerly inside it: a graph break of its own), and a model sharded by FSDP2. Each
-compiled run must train as the eager run does (to the last bits of inductor's own kernels), the
-sparse step must have run every step and sent k entries, the replicas must stay identical, and
-nothing may compile again after the first steps.
+What a user compiles: the model that DDP then wraps (the hook runs on DDP's buckets as without
+compile), a whole training step that calls ``GradientReducer.synchronize()`` (which runs
+eagerly inside it: a graph break of its own), and the blocks of a model sharded by FSDP2. The
+loop and FSDP2 must train as their eager runs do (to the last bits of inductor's own kernels);
+the hook must conserve error feedback; the sparse step must have run every step and sent k
+entries, the replicas must stay identical, and nothing may compile again after the first steps.
 """
-
 from __future__ import annotations
 
 import shutil
@@ -63,16 +62,14 @@ def run(integration: str, compiled: bool, rank: int) -> dict:
                 fully_shard(layer, mesh=mesh["shard"])
         fully_shard(model, mesh=mesh["shard"])
         state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05)
-        forward = model
     else:
         model = mlp(64)
         state = GradientReducer(model.named_parameters(), "micro", 0.05)
-        forward = model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         optimizer.zero_grad()
-        nn.functional.cross_entropy(forward(x), y).backward()
+        nn.functional.cross_entropy(model(x), y).backward()
         if isinstance(state, GradientReducer):
             state.synchronize()
         optimizer.step()
@@ -145,7 +142,8 @@ def ddp_worker(rank: int, n: int) -> dict:
         before = [state.residual(p).double().clone() if number else torch.zeros(p.numel(),
                   dtype=torch.float64) for p in params]  # fmt: skip
         optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(batch(number, rank)[0]), batch(number, rank)[1]).backward()
+        x, y = batch(number, rank)
+        nn.functional.cross_entropy(ddp(x), y).backward()
         passes.append({
             "had": torch.cat([local[id(p)] + e for p, e in zip(params, before)]),
             "kept": torch.cat([state.residual(p).double() for p in params]),
