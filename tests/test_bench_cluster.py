@@ -166,6 +166,27 @@ def test_the_cluster_is_removed_when_its_block_raises():
     assert not set(cluster.namespaces + [cluster.switch]) & set(netns.our_namespaces())
 
 
+@needs_namespaces
+def test_the_cluster_counts_what_each_host_sends_as_the_host_itself_does():
+    with netns.Cluster(2, "1gbit") as cluster:
+        before = cluster.sent()
+        # Host 1 sends 64 UDP datagrams of 1000 bytes to host 0.
+        send = (
+            "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"for _ in range(64): s.sendto(bytes(1000), ({cluster.address(0)!r}, 9))"
+        )
+        cluster.run(1, [sys.executable, "-c", send])
+        after = cluster.sent()
+        assert after[1][0] - before[1][0] >= 64 * 1000 and after[1][1] - before[1][1] >= 64
+        # ... and each host's count agrees with its own, read inside it just before and after
+        # (a host may send a packet of its own meanwhile: IPv6 neighbour discovery).
+        for host in range(2):
+            path = f"/sys/class/net/{cluster.interface(host)}/statistics/tx_bytes"
+            own_before = int(cluster.run(host, ["cat", path]))
+            counted = cluster.sent()[host][0]
+            assert own_before <= counted <= int(cluster.run(host, ["cat", path]))
+
+
 def test_refuses_without_root_in_one_line_with_exit_code_2(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert main(["bench", "cluster", "--quick"]) == 2

@@ -8,11 +8,11 @@ ordinary ``microsparse train`` (torchrun's variables, over the shaped link; with
 against epochs and against wall time, and per method the epochs, wall seconds, steps and
 bytes per worker to a target fixed in advance (``target_fraction`` of the dense run's final
 metric; for a metric where lower is better, 2 − that fraction of it). Each method's bytes
-between hosts per step are read from the hosts' links (their ``tx_bytes``, every header and
-retransmission included, and their packets) just after its first step is logged and just after
-its last, so that the set-up (rank 0's initial weights, sent to every rank) and the final
-evaluation are left out; they are reported per host and step beside the bytes its statistics
-model.
+between hosts per step are read from the hosts' links (what each host's switch port received,
+every header and retransmission included, and its packets) just after its first step is
+logged and just after its last, so that the set-up (rank 0's initial weights, sent to every
+rank) and the final evaluation are left out; they are reported per host and step beside the
+bytes its statistics model.
 
 A method is named as in :mod:`microsparse_lab.methods.names`: a sparsifier (the loop API), a
 sparsifier with ``@ddp`` (microsparse's DDP hook), or a peer (``ddp``, ``fp16``, ``bf16``,
@@ -174,17 +174,6 @@ def run_accuracy(
     return results
 
 
-def _link_counters(cluster: netns.Cluster) -> list[tuple[int, int]]:
-    """Bytes and packets each host's link has sent so far (its veth's counters, read inside)."""
-    counters = [f"/sys/class/net/{{}}/statistics/{name}" for name in ("tx_bytes", "tx_packets")]
-    readings = []
-    for host in range(cluster.hosts):
-        paths = [counter.format(cluster.interface(host)) for counter in counters]
-        sent, packets = cluster.run(host, ["cat", *paths]).split()
-        readings.append((int(sent), int(packets)))
-    return readings
-
-
 class _LinkWatch:
     """The hosts' link counters read just after rank 0 logs its first step and its last.
 
@@ -223,11 +212,11 @@ class _LinkWatch:
 
     def _poll(self) -> None:
         seen = 0
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.005):
             steps = self._steps()
             if steps <= seen:
                 continue
-            counters = _link_counters(self._cluster)
+            counters = self._cluster.sent()
             if self._steps() == steps:
                 self._readings.append((steps, counters))
                 seen = steps
