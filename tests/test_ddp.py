@@ -621,7 +621,7 @@ def test_bad_options_name_the_argument() -> None:
         {"density": 0},
         {"capacity_factor": 0.5},
         {"threshold_rule": "x"},
-        {"value_dtype": torch.int8},
+        {"value_dtype": torch.float64},
         {"one_exchange": "yes"},
     ):
         with pytest.raises((ValueError, TypeError)) as error:

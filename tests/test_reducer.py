@@ -126,6 +126,7 @@ def test_half_precision_values_leave_their_rounding_in_the_residual(dtype, tmp_p
 
 def test_value_dtype_is_checked() -> None:
     with pytest.raises(
-        ValueError, match="value_dtype must be None, torch.float16 or torch.bfloat16"
+        ValueError, match="value_dtype must be None, torch.float16, torch.bfloat16 or torch.int8"
     ):
-        GradientReducer([torch.zeros(3, requires_grad=True)], "micro", 0.5, value_dtype=torch.int8)
+        GradientReducer([torch.zeros(3, requires_grad=True)], "micro", 0.5,
+                        value_dtype=torch.float64)  # fmt: skip

@@ -120,12 +120,21 @@ def test_stock_ddp_makes_no_sync(tmp_path) -> None:
         assert syncs.total == 0, syncs
 
 
-def test_micro_reducer_step_makes_no_sync(tmp_path) -> None:
-    for syncs in run_ranks(reducer_worker, 2, tmp_path):
+def int8_reducer_worker(rank: int, n: int) -> HostSyncs:
+    return reducer_worker(rank, n, value_dtype=torch.int8)
+
+
+@pytest.mark.parametrize("worker", [reducer_worker, int8_reducer_worker], ids=["default", "int8"])
+def test_micro_reducer_step_makes_no_sync(worker, tmp_path) -> None:
+    for syncs in run_ranks(worker, 2, tmp_path):
         assert syncs.total == 0, syncs
 
 
-@pytest.mark.parametrize("options", [{}, {"wire": "compact"}], ids=["fixed", "compact"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"wire": "compact"}, {"value_dtype": torch.int8}],
+    ids=["fixed", "compact", "int8"],
+)
 def test_micro_hook_step_makes_no_sync(options, tmp_path) -> None:
     state = microsparse.ddp.MicroState(density=DENSITY, **options)
     for syncs, buckets, _ in run_ranks(ddp_worker, 2, tmp_path, counted_micro_hook, state):

@@ -41,7 +41,7 @@ from microsparse.sparsifiers.warmup import DensityWarmup
 
 __all__ = ["DEFAULT_BUDGET", "DENSE_ENTRY_BYTES", "SparseOptions", "validate_budget"]
 
-VALUE_DTYPES = (None, torch.float16, torch.bfloat16)
+VALUE_DTYPES = (None, torch.float16, torch.bfloat16, torch.int8)
 DEFAULT_BUDGET = 0.002
 """The fraction of dense averaging's bytes sent where neither density nor budget is given:
 density 0.001 at 8 bytes an entry (the plain wire), 0.002 at 4 (MiCRO's compact wire)."""
@@ -116,7 +116,7 @@ class SparseOptions:
     def __post_init__(self, owner: tuple[str, list[str]] | None) -> None:
         if self.value_dtype not in VALUE_DTYPES:
             raise ValueError(
-                "value_dtype must be None, torch.float16 or torch.bfloat16; "
+                "value_dtype must be None, torch.float16, torch.bfloat16 or torch.int8; "
                 f"got {self.value_dtype!r}"
             )
         if self.nonfinite not in NONFINITE:

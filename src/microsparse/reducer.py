@@ -75,7 +75,9 @@ class GradientReducer:
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``
             (half the value bytes); each rank's rounding error stays in its residual, so only
             the rounding of the sum itself is lost. float16 overflows above 65504: prefer
-            bfloat16 unless gradients are known to be small.
+            bfloat16 unless gradients are known to be small. ``torch.int8`` (MiCRO's compact
+            wire, up to 127 ranks): 8-bit integers on a scale every rank learns in the index
+            message, 127 // n levels a rank; a budget then buys a third more entries.
         collectives: run the step's collectives on this object instead of a process group
             (anything with ``rank``, ``world_size`` and ``run(request)``, see
             :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.

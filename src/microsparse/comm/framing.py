@@ -61,6 +61,10 @@ class Proposal:
     guard: torch.Tensor | None = None
     """The engine's guard message ([flag, step], float32) to carry in the index message, where
     the framing can (:attr:`Framing.carries_guard`): the step then needs no round of its own."""
+    value_scale: torch.Tensor | None = None
+    """Where the values travel as 8-bit integers: this rank's largest |value| at its own
+    positions (float32, one element), carried in the index message
+    (:attr:`Framing.carries_scale`) so that every rank quantises with the same scale."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class Exchanged:
     """This rank's proposals, before the capacity cut."""
     guard_rows: torch.Tensor | None = None
     """Every rank's guard message as carried in the index message, (n, 2) float32."""
+    scale_rows: torch.Tensor | None = None
+    """Every rank's :attr:`Proposal.value_scale`, (n,) float32, where one was carried."""
     repeats: torch.Tensor | None = None
     """Where ``positions`` repeats a position listed before it (bool, one per position): its
     average is written there only once (:class:`FixedUnion`)."""
@@ -96,6 +102,9 @@ class Framing(ABC):
     carries_guard: ClassVar[bool] = False
     """Its message has room for the engine's guard ([flag, step]): a step whose sparsifier
     selects before the residual is written then takes no guard round of its own."""
+    carries_scale: ClassVar[bool] = False
+    """Its message has room for each rank's :attr:`Proposal.value_scale`: the values may
+    travel as 8-bit integers (``value_dtype=torch.int8``)."""
     value_dtype: torch.dtype | None = None
     """The values' wire dtype where the user names none (None: the gradient's own)."""
     position_bytes: ClassVar[int] = 4
@@ -109,9 +118,10 @@ class Framing(ABC):
 
         The one place a byte budget (``SparseOptions(budget=...)``) is priced. What it leaves
         out is small and does not grow with k: a fixed message's 3-slot header, a padded
-        message's count round, the guard's 8 bytes a rank, the last share's slot of padding,
-        and a compact message's 2 bytes of count per 65,536 gradient entries (0.00076 % of
-        dense's bytes). ``StepStats.payload_bytes`` counts all of it.
+        message's count round, the guard's 8 bytes a rank (and an int8 step's scale, 4 more),
+        the last share's slot of padding, and a compact message's 2 bytes of count per 65,536
+        gradient entries (0.00076 % of dense's bytes). ``StepStats.payload_bytes`` counts all
+        of it.
 
         Example:
             >>> Fixed.entry_bytes(), Fixed.entry_bytes(torch.bfloat16)
@@ -388,9 +398,10 @@ class Compact(Framing):
     ``chunks`` = ⌈largest range / span⌉: about 2 bytes per position instead of ``Fixed``'s 4,
     plus 2 bytes per 65,536 entries of the range; where the engine hands over its guard
     (:attr:`Proposal.guard`), its two words follow, and the step takes no guard round of its
-    own. ``message_slots`` counts the 16-bit words of counts and offsets. The size is fixed by
-    the options and the step's kind alone, so ranks at different steps still meet in
-    equal-sized rounds, and the engine reads the step from the guard's words. Where the counts
+    own; where the values travel as 8-bit integers, the rank's largest |value| (float32) takes
+    one word more. ``message_slots`` counts the 16-bit words of counts and offsets. The size
+    is fixed by the options and the step's kind alone, so ranks at different steps still meet
+    in equal-sized rounds, and the engine reads the step from the guard's words. Where the counts
     are not known (DDP leaving out unused parameters), the chunk counts are read on the host.
 
     Example:
@@ -402,6 +413,7 @@ class Compact(Framing):
     label = "compact"
     decodes_known_counts = True
     carries_guard = True
+    carries_scale = True
     position_bytes = 2  # a 16-bit offset inside its chunk
     GUARD_WORDS = 2
 
@@ -423,24 +435,26 @@ class Compact(Framing):
             raise ValueError(
                 f"{local.numel()} positions proposed, but a compact message holds {self.capacity}"
             )
-        words, guard = self._codec.words, proposal.guard
-        size = words + (0 if guard is None else self.GUARD_WORDS)
+        words, guard, scale = self._codec.words, proposal.guard, proposal.value_scale
+        size = words + (0 if guard is None else self.GUARD_WORDS) + (scale is not None)
         message = self._messages.get(size)
         if message is None or message.device != local.device:
             message = self._messages[size] = torch.zeros(size, dtype=torch.int32,
                                                          device=local.device)  # fmt: skip
         if guard is not None:  # [flag, step] are whole numbers below 2**24: exact
-            message[words:].copy_(guard)
+            message[words : words + self.GUARD_WORDS].copy_(guard)
+        if scale is not None:  # its bits, in the last word
+            message[-1:].copy_(scale.view(torch.int32))
         if world_size == 1:  # the same round, but no other rank to read it: nothing to code
             rows = yield Collective("all_gather", message, "indices")
             return Exchanged(local, local.numel(), self.slots, local.numel(), local.numel(),
-                             _guard_rows(rows, words, proposal))  # fmt: skip
+                             *_carried(rows, words, proposal))  # fmt: skip
         self._codec.encode(ranges.offsets(step, local), out=message[:words])
         rows = yield Collective("all_gather", message, "indices")
         counts = proposal.counts if proposal.counts is not None else self._codec.counts(rows)
         positions = ranges.positions(step, self._codec.decode(rows, counts), counts)
         return Exchanged(positions, local.numel(), self.slots, sum(counts), local.numel(),
-                         _guard_rows(rows, words, proposal))  # fmt: skip
+                         *_carried(rows, words, proposal))  # fmt: skip
 
     @classmethod
     def collectives(
@@ -452,9 +466,17 @@ class Compact(Framing):
         return [("all_gather", 4 * math.ceil(slots / 2))]
 
 
-def _guard_rows(rows: torch.Tensor, words: int, proposal: Proposal) -> torch.Tensor | None:
-    """Every rank's [flag, step] from the gathered messages, where they carried the guard."""
-    return None if proposal.guard is None else rows.view(-1, rows.shape[-1])[:, words:].float()
+def _carried(
+    rows: torch.Tensor, words: int, proposal: Proposal
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Every rank's [flag, step] and value scale from the gathered messages, where they
+    carried them (:attr:`Exchanged.guard_rows`, :attr:`Exchanged.scale_rows`)."""
+    table = rows.view(-1, rows.shape[-1])
+    guard = None
+    if proposal.guard is not None:
+        guard = table[:, words : words + Compact.GUARD_WORDS].float()
+    scale = None if proposal.value_scale is None else table[:, -1].view(torch.float32)
+    return guard, scale
 
 
 class Shared(Framing):

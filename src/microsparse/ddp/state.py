@@ -46,7 +46,8 @@ class SparseState:
             entry) to send per step, e.g. 0.002; the density follows from the bytes an entry
             costs on the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         process_group: the group DDP averages over (``None``: the default group).
-        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``.
+        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``, or
+            as ``torch.int8`` on MiCRO's compact wire (see :class:`microsparse.GradientReducer`).
         nonfinite: what a NaN or Inf in any rank's gradient does, as in
             :class:`microsparse.GradientReducer`. ``"skip"`` (default): the pass changes no
             residual, and the buckets hold NaN where they would hold the average (a

@@ -13,7 +13,9 @@ whole protocol of one step, top to bottom:
 5. **index exchange**: the sparsifier's framing (``microsparse.comm.framing``) makes every
    rank learn all positions;
 6. **values**: gather a at those positions (rounded to the wire dtype if asked, the rounding
-   kept in the residual), forget them locally (the new residual), all-reduce;
+   kept in the residual), forget them locally (the new residual), all-reduce; as 8-bit
+   integers (``value_dtype=torch.int8``), on a scale every rank learnt in the index message
+   (:meth:`SparseStep._quantised`);
 7. **finish**: divide by n, write the sparse average, tell the sparsifier the global count.
 
 Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
@@ -123,6 +125,10 @@ class StepReport:
     """Bytes of the step's messages, each rank's counted once (:meth:`Collective.payload_bytes`)."""
 
 
+_TINY = torch.finfo(torch.float32).tiny
+"""The scale of an int8 step whose values are all 0 (any positive number would do)."""
+
+
 class Guard:
     """The first round of every step: each rank's non-finite flag and step, all-gathered.
 
@@ -183,8 +189,9 @@ class SparseStep:
     Args:
         sparsifier: a registry sparsifier, already bound to the slab's layout.
         feedback: the slab's residual.
-        value_dtype: send the selected values as this dtype (``torch.float16`` or
-            ``torch.bfloat16``); each rank's rounding error stays in its residual. None: the
+        value_dtype: send the selected values as this dtype (``torch.float16``,
+            ``torch.bfloat16``, or ``torch.int8`` on a framing that carries a scale: see
+            :meth:`_quantised`); each rank's rounding error stays in its residual. None: the
             framing's choice (``Compact``: bfloat16), else the gradient's dtype.
         schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
         nonfinite: ``"skip"``: a step with a NaN or Inf on any rank changes nothing and
@@ -232,9 +239,28 @@ class SparseStep:
         self.nonfinite = nonfinite
         self.rank = sparsifier.rank
         self.world_size = sparsifier.world_size
+        self.levels = self._int8_levels()
+        """The largest |integer| a rank sends where the values travel as int8, else 0."""
         self.guard = Guard(feedback.residual.device)
         self.check_next = True
         """Read the next step's guard on the host (the first step after a start or restore)."""
+
+    def _int8_levels(self) -> int:
+        if self.value_dtype != torch.int8 or isinstance(self.framing, Dense):
+            return 0
+        if not self.framing.carries_scale:
+            raise ValueError(
+                f"value_dtype=torch.int8 needs an index message that carries the values' "
+                f"scale, which {self.sparsifier.name!r} on its {self.framing.name} wire has "
+                "not: use MiCRO on its compact wire (the default), or value_dtype=torch.bfloat16"
+            )
+        if self.world_size > 127:
+            raise ValueError(
+                f"value_dtype=torch.int8 sums every rank's 8-bit values, which leaves each of "
+                f"{self.world_size} ranks less than one level (127 // n): use "
+                "value_dtype=torch.bfloat16 beyond 127 ranks"
+            )
+        return 127 // self.world_size
 
     def run(
         self,
@@ -296,7 +322,8 @@ class SparseStep:
             counts = None
         threshold, extra = _pending(sparsifier.threshold), sparsifier.report()
         select_seconds = clock.lap()
-        proposal = Proposal(local, accumulated, step, counts)
+        largest = self._largest(local, accumulated, None, None, scale)
+        proposal = Proposal(local, accumulated, step, counts, value_scale=largest)
         exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
         # If no rank used a parameter, DDP drops its average: what was sent there would be lost.
         unused = _inside(exchanged.positions, exclude) if exclude and fixed else None
@@ -337,8 +364,9 @@ class SparseStep:
         if exclude:
             local = local[~_inside(local, exclude)]
             counts = None
+        largest = self._largest(local, residual, flat, scale, scale)
         timing = (_pending(sparsifier.threshold), sparsifier.report(), clock.lap())
-        proposal = Proposal(local, residual, step, counts, guard)
+        proposal = Proposal(local, residual, step, counts, guard, largest)
         exchanged = yield from clock.local(self.framing.exchange(proposal, self.world_size))
         rows = exchanged.guard_rows
         assert rows is not None
@@ -368,8 +396,13 @@ class SparseStep:
         """Send the values at the exchanged positions, keep the rest, write the average."""
         sparsifier, positions = self.sparsifier, exchanged.positions
         threshold, extra, select_seconds = timing
-        values = self._values(positions, unused, skipped, scale)
-        averaged = yield from self._average(values, self.feedback.accumulated.dtype, skipped, clock)
+        shared = None
+        if self.levels:  # every rank's largest |value|, the largest of them mapped to ±levels
+            assert exchanged.scale_rows is not None
+            shared = exchanged.scale_rows.amax().clamp_(min=_TINY).div_(self.levels).view(1)
+        values = self._values(positions, unused, skipped, scale, shared)
+        averaged = yield from self._average(values, self.feedback.accumulated.dtype, skipped,
+                                            clock, shared)  # fmt: skip
         repeats, selected = exchanged.repeats, positions.numel()
         if repeats is None:
             sparsifier.update(selected)
@@ -395,11 +428,19 @@ class SparseStep:
         )
 
     def _average(
-        self, values: torch.Tensor, dtype: torch.dtype, skipped: torch.Tensor | None, clock: _Clock
+        self,
+        values: torch.Tensor,
+        dtype: torch.dtype,
+        skipped: torch.Tensor | None,
+        clock: _Clock,
+        shared: torch.Tensor | None = None,
     ) -> Generator[Collective, torch.Tensor, torch.Tensor]:
-        """The values every rank sent, summed over ranks and divided by n, in ``dtype``."""
+        """The values every rank sent, summed over ranks and divided by n, in ``dtype``
+        (integers first multiplied by their ``shared`` scale)."""
         summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
         averaged = summed.to(dtype) if self.value_dtype else summed
+        if shared is not None:
+            averaged.mul_(shared.to(dtype))
         averaged.div_(self.world_size)
         if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
             averaged.masked_fill_(skipped, math.nan)
@@ -458,12 +499,63 @@ class SparseStep:
             sparsifier.adopt_agreement((yield Collective("all_reduce", proposal, "agreement")))
         return None
 
+    def _largest(
+        self,
+        local: torch.Tensor,
+        accumulated: torch.Tensor,
+        addend: torch.Tensor | None,
+        divisor: torch.Tensor | None,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Where the values travel as int8: the largest |a| this rank sends at its own
+        positions (a = accumulated + addend / divisor, as sent: times ``scale``), float32."""
+        if not self.levels:
+            return None
+        if local.numel() == 0:
+            return torch.zeros(1, dtype=torch.float32, device=accumulated.device)
+        values = accumulated.index_select(0, local)
+        if addend is not None:
+            more = addend.index_select(0, local)
+            values = values.add_(more) if divisor is None else values.addcdiv_(more, divisor)
+        largest = values.abs_().amax().view(1).to(torch.float32)
+        return largest if scale is None else largest.mul_(scale)
+
+    def _quantised(
+        self, sent: torch.Tensor, shared: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``sent`` as 8-bit integers on the ``shared`` scale, and what rounding took.
+
+        Every rank learnt every rank's largest |value| at its own positions in the index
+        message; the largest of them becomes ``levels`` = 127 // n, so that the sum of n
+        ranks' integers fits 8 bits (the all-reduce sums int8). A rank's value at another
+        rank's position may lie beyond: it is clipped, and the rest stays in its residual
+        with the rounding.
+
+        Example:
+            >>> from microsparse.feedback import ErrorFeedback
+            >>> from microsparse.layout import Layout
+            >>> from microsparse.sparsifiers import create_sparsifier
+            >>> layout = Layout.of([("w", torch.zeros(8))])
+            >>> micro = create_sparsifier("micro", 0.5)
+            >>> micro.bind(layout, rank=0, world_size=4)
+            >>> feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+            >>> step = SparseStep(micro, feedback, value_dtype=torch.int8)
+            >>> step.levels                                   # 127 // 4
+            31
+            >>> wire, left = step._quantised(torch.tensor([3.0, -1.2, 20.0]), torch.tensor([0.5]))
+            >>> wire.tolist(), [round(x, 3) for x in left.tolist()]    # 20 is 40 steps: clipped
+            ([6, -2, 31], [0.0, -0.2, 4.5])
+        """
+        integers = torch.div(sent, shared).round_().clamp_(-self.levels, self.levels)
+        return integers.to(torch.int8), torch.addcmul(sent, integers, shared, value=-1)
+
     def _values(
         self,
         positions: torch.Tensor,
         kept: torch.Tensor | None,
         skip: torch.Tensor | None,
         scale: torch.Tensor | None,
+        shared: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This rank's accumulated values at ``positions``, as sent; the residual forgets them,
         except where ``kept`` is true (there it sends 0 and keeps the whole value) or when
@@ -475,9 +567,12 @@ class SparseStep:
             sent_values = sent_values * scale.to(values.dtype)
         sent, wire, left = positions, sent_values, None
         if self.value_dtype is not None:
-            wire = sent_values.to(self.value_dtype)
             # What rounding took from this rank's values stays behind in its residual.
-            left = sent_values - wire
+            if shared is not None:
+                wire, left = self._quantised(sent_values, shared)
+            else:
+                wire = sent_values.to(self.value_dtype)
+                left = sent_values - wire
             if scale is not None:
                 left.div_(scale.to(left.dtype))
         if kept is not None:

@@ -56,8 +56,8 @@ def sparsify(
             entry) to send per step; the density follows from the bytes an entry costs on
             the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         sparsifier: a name from :func:`microsparse.available_sparsifiers` (default MiCRO).
-        value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``;
-            the rounding stays in the residual.
+        value_dtype: send the selected values as ``torch.float16``, ``torch.bfloat16`` or
+            (MiCRO's compact wire) ``torch.int8``; the rounding stays in the residual.
         nonfinite: ``"skip"`` (default): a NaN or Inf in any replica's shard changes none of
             that module's residuals and writes NaN into its gradient shard; ``"raise"``: every
             rank raises ``NonFiniteGradientError`` from ``backward()``.

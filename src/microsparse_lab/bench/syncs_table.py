@@ -34,6 +34,7 @@ CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("dense", {}),
     ("micro", {}),
     ("micro", {"wire": "plain"}),
+    ("micro", {"value_dtype": torch.int8}),
     ("micro", {"selection": "threshold"}),
     ("micro", {"selection": "threshold", "threshold_rule": "as_coded",
                "partitioning": "contiguous", "index_message": "padded"}),

@@ -29,7 +29,7 @@ from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.training.tasks import Recipe, Task, available_tasks, get_task
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
-VALUE_DTYPES = ("float16", "bfloat16")
+VALUE_DTYPES = ("float16", "bfloat16", "int8")
 """``value_dtype`` choices: torch dtypes that the sparse values may travel in."""
 RESUMABLE_CHANGES = (
     "epochs", "max_steps", "progress", "log_every", "checkpoint_every", "checkpoint_per_epoch",
@@ -142,8 +142,10 @@ class TrainConfig:
     )
     value_dtype: str | None = option(  # None: float32
         choices=VALUE_DTYPES,
-        help="send the selected values in 16 bits: 6 bytes an entry with its 4-byte index "
-        "instead of 8; what rounding takes stays in the residual (default: float32)",
+        help="send the selected values in 16 bits (6 bytes an entry with a 4-byte index "
+        "instead of 8), or in 8 on MiCRO's compact wire (3 bytes an entry instead of its 4; "
+        "up to 127 ranks); what rounding takes stays in the residual (default: float32, or "
+        "the wire's: bfloat16 on the compact wire)",
     )
     momentum_correction: bool = option(
         False,

@@ -1,0 +1,155 @@
+"""MiCRO's values as 8-bit integers (``value_dtype=torch.int8`` on the compact wire).
+
+Every rank sends round(a / s) at the step's positions, clipped to ±levels (127 // n, so that
+the all-reduce's sum of n ranks fits 8 bits), on one scale s that every rank learns in the
+index message: the largest |a| any rank has at its own positions, over levels. What rounding
+and clipping take stays in the sender's residual. Checked on real gloo ranks, against the
+arithmetic that defines it, in both of the step's paths (the flat gradient of a DDP bucket,
+selected before the residual is written, and the loop API's per-parameter list).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from microsparse import GradientReducer, SparseOptions
+from microsparse.comm import ProcessGroupCollectives
+from microsparse.engine import FlatOutput, SparseStep, run_blocking
+from microsparse.feedback import ErrorFeedback
+from microsparse.layout import Layout
+from microsparse.sparsifiers import create_sparsifier
+from test_cli import run_cli
+
+NUMEL, STEPS, INF_STEP = 30_000, 5, 3
+
+
+class Recording(ProcessGroupCollectives):
+    """The process group's collectives, with each request's purpose and dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.dtype]] = []
+
+    def run(self, request):  # type: ignore[no-untyped-def]
+        self.calls.append((request.what, request.tensor.dtype))
+        return super().run(request)
+
+
+def int8_worker(rank: int, n: int, scale: float | None) -> dict[str, list]:
+    """Five steps of one slab on int8 values, its gradient handed over flat and as a list;
+    an Inf on rank 0 at step 3; with ``scale``, scaled as a ``GradScaler`` scales it."""
+    layout = Layout.of([("w", torch.zeros(NUMEL))])
+    got: dict[str, list] = {}
+    for how in ("flat", "list"):
+        sparsifier = create_sparsifier("micro", 0.01)
+        sparsifier.bind(layout, rank, n)
+        feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+        engine, comm = SparseStep(sparsifier, feedback, value_dtype=torch.int8), Recording()
+        got[how] = []
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            gradient = torch.randn(NUMEL, generator=generator) * (1 + 9 * rank)  # unequal
+            if step == INF_STEP and rank == 0:
+                gradient[7] = torch.inf
+            before = feedback.residual.clone()
+            factor = None if scale is None else torch.tensor([scale])
+            fresh = gradient.clone() if factor is None else gradient * factor
+            output = FlatOutput(torch.empty(NUMEL))
+            comm.calls.clear()
+            report = run_blocking(engine.run(step, fresh if how == "flat" else [fresh], output,
+                                             scale=factor), comm)  # fmt: skip
+            skipped = report.skipped
+            skipped = skipped if isinstance(skipped, bool) else bool(skipped.get())
+            got[how].append({"had": before + gradient, "before": before, "skipped": skipped,
+                             "after": feedback.residual.clone(), "average": output.data.clone(),
+                             "calls": list(comm.calls), "levels": engine.levels})  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize("scale", [None, 2.0**12], ids=["unscaled", "grad-scaler"])
+def test_int8_values_share_one_scale_keep_the_rounding_and_conserve(scale, tmp_path) -> None:
+    n = 3
+    ranks = run_ranks(int8_worker, n, tmp_path, scale)
+    levels = 127 // n
+    for how in ("flat", "list"):
+        for step in range(STEPS):
+            seen = [rank[how][step] for rank in ranks]
+            assert seen[0]["levels"] == levels
+            assert ("values", torch.int8) in seen[0]["calls"], seen[0]["calls"]
+            if step == INF_STEP:  # skipped on every rank: nothing kept changed, NaN written
+                for got in seen:
+                    assert got["skipped"] and torch.equal(got["after"], got["before"])
+                    assert bool(got["average"].isnan().any())
+                continue
+            average = seen[0]["average"]
+            assert all(torch.equal(got["average"], average) for got in seen)
+            sent = [(got["had"] - got["after"]).double() for got in seen]
+            # The scale: the largest |a| a rank has at its own positions maps to ±levels.
+            shared = max(float(s.abs().max()) for s in sent) / levels
+            integers = [s / shared for s in sent]
+            for q in integers:
+                assert float((q - q.round()).abs().max()) < 1e-3, (how, step)
+                assert float(q.abs().max()) <= levels + 1e-3
+            # The average is the integers' sum on that scale, over n (written scaled, the
+            # residual kept unscaled, under a GradScaler).
+            unscaled = average.double() / (1.0 if scale is None else scale)
+            summed = sum(q.round() for q in integers)
+            assert torch.allclose(unscaled * n / shared, summed, atol=1e-3), (how, step)
+            # Error feedback conserves: n · average + Σ kept = Σ (residual + gradient).
+            had = sum(got["had"].double() for got in seen)
+            kept = sum(got["after"].double() for got in seen)
+            torch.testing.assert_close(n * unscaled + kept, had, rtol=0, atol=1e-4)
+            # Rounding leaves at most half a level, except where a value was clipped.
+            for got, q in zip(seen, integers):
+                rounded = q.round().abs() < levels
+                assert float(got["after"][rounded & (q != 0)].abs().max()) <= shared / 2 * 1.001
+    if scale is None:  # the same selection and arithmetic in both paths
+        for rank in ranks:
+            for flat, listed in zip(rank["flat"], rank["list"]):
+                assert torch.equal(flat["after"], listed["after"])
+                if not flat["skipped"]:
+                    assert torch.equal(flat["average"], listed["average"])
+
+
+def test_int8_is_refused_where_it_cannot_work() -> None:
+    layout = Layout.of([("w", torch.zeros(1000))])
+    feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
+    for name, options in (("topk", {}), ("micro", {"wire": "plain"})):
+        sparsifier = create_sparsifier(name, 0.01, **options)
+        sparsifier.bind(layout, 0, 2)
+        with pytest.raises(ValueError, match="value_dtype=torch.int8 needs an index message"):
+            SparseStep(sparsifier, feedback, value_dtype=torch.int8)
+    micro = create_sparsifier("micro", 0.01)
+    micro.bind(layout, 0, 128)
+    with pytest.raises(ValueError, match="value_dtype=torch.bfloat16 beyond 127 ranks"):
+        SparseStep(micro, feedback, value_dtype=torch.int8)
+    with pytest.raises(ValueError, match="value_dtype=torch.int8 needs an index message"):
+        GradientReducer([torch.zeros(10, requires_grad=True)], "topk", 0.1,
+                        value_dtype=torch.int8)  # fmt: skip
+
+
+def test_a_budget_buys_a_third_more_entries_on_int8_values() -> None:
+    bfloat16 = SparseOptions("micro", budget=0.002)
+    int8 = SparseOptions("micro", budget=0.002, value_dtype=torch.int8)
+    assert bfloat16.density == 0.002 and int8.density == pytest.approx(0.002 * 4 / 3)
+    assert SparseOptions.from_dict(int8.to_dict()) == int8
+
+
+def test_train_sends_int8_values_for_fewer_bytes(tmp_path) -> None:
+    records = {}
+    for dtype in ("bfloat16", "int8"):
+        out = tmp_path / dtype
+        result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
+                         "--value-dtype", dtype, "--no-progress", "--out", str(out))  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records[dtype] = [json.loads(line) for line in lines]
+    for wide, narrow in zip(records["bfloat16"], records["int8"]):
+        assert wide["selected"] == narrow["selected"] > 0  # quotas: k every step
+        assert narrow["bytes_sent"] < wide["bytes_sent"]
+    summary = json.loads((tmp_path / "int8" / "summary.json").read_text())
+    assert summary["config"]["value_dtype"] == "int8"
