@@ -103,17 +103,23 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert (meta["step"], meta["epoch"], meta["batch"], meta["world_size"]) == (8, 0, 8, 2)
 
 
-def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
+def records_by_value_dtype(tmp_path, dtypes, *flags: str) -> dict[str, list[dict]]:
+    """Each step's record of a 3-step, 2-worker run at density 0.01 per value dtype
+    (``float32``: the option left out)."""
     records = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         out = tmp_path / dtype
         extra = [] if dtype == "float32" else ["--value-dtype", dtype]
         result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
-                         "--wire", "plain", "--no-progress", "--out", str(out),
-                         *extra)  # fmt: skip
+                         "--no-progress", "--out", str(out), *flags, *extra)  # fmt: skip
         assert result.returncode == 0, result.stderr
         lines = (out / "metrics.jsonl").read_text().splitlines()
         records[dtype] = [json.loads(line) for line in lines]
+    return records
+
+
+def test_value_dtype_sends_the_values_in_16_bits(tmp_path):
+    records = records_by_value_dtype(tmp_path, ("float32", "bfloat16"), "--wire", "plain")
     for wide, narrow in zip(records["float32"], records["bfloat16"]):
         assert wide["selected"] == narrow["selected"] > 0  # quotas: k every step
         # The same index message; the value all-reduce carries 2 bytes an entry, not 4.

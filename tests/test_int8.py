@@ -22,7 +22,7 @@ from microsparse.engine import FlatOutput, SparseStep, run_blocking
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
-from test_cli import run_cli
+from test_cli import records_by_value_dtype
 
 NUMEL, STEPS, INF_STEP = 30_000, 5, 3
 
@@ -140,14 +140,7 @@ def test_a_budget_buys_a_third_more_entries_on_int8_values() -> None:
 
 
 def test_train_sends_int8_values_for_fewer_bytes(tmp_path) -> None:
-    records = {}
-    for dtype in ("bfloat16", "int8"):
-        out = tmp_path / dtype
-        result = run_cli("train", "--workers", "2", "--max-steps", "3", "--density", "0.01",
-                         "--value-dtype", dtype, "--no-progress", "--out", str(out))  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        lines = (out / "metrics.jsonl").read_text().splitlines()
-        records[dtype] = [json.loads(line) for line in lines]
+    records = records_by_value_dtype(tmp_path, ("bfloat16", "int8"))
     for wide, narrow in zip(records["bfloat16"], records["int8"]):
         assert wide["selected"] == narrow["selected"] > 0  # quotas: k every step
         assert narrow["bytes_sent"] < wide["bytes_sent"]

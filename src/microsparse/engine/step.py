@@ -15,7 +15,7 @@ whole protocol of one step, top to bottom:
 6. **values**: gather a at those positions (rounded to the wire dtype if asked, the rounding
    kept in the residual), forget them locally (the new residual), all-reduce; as 8-bit
    integers (``value_dtype=torch.int8``), on a scale every rank learnt in the index message
-   (:meth:`SparseStep._quantised`);
+   (:func:`quantise`);
 7. **finish**: divide by n, write the sparse average, tell the sparsifier the global count.
 
 Where the gradient is one flat tensor (a DDP bucket, an FSDP shard) and the sparsifier can
@@ -129,6 +129,26 @@ _TINY = torch.finfo(torch.float32).tiny
 """The scale of an int8 step whose values are all 0 (any positive number would do)."""
 
 
+def quantise(
+    values: torch.Tensor, scale: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` as 8-bit integers on ``scale`` (round(v / scale), clipped to ±``levels``),
+    and what rounding and clipping took, to stay in the sender's residual.
+
+    The engine's int8 step (``value_dtype=torch.int8``): every rank learnt every rank's
+    largest |value| at its own positions in the index message; the largest of them over
+    ``levels`` = 127 // n is the scale, so that the sum of n ranks' integers fits 8 bits (the
+    all-reduce sums int8). A rank's value at another rank's position may lie beyond: clipped.
+
+    Example:
+        >>> wire, left = quantise(torch.tensor([3.0, -1.2, 20.0]), torch.tensor([0.5]), 31)
+        >>> wire.tolist(), [round(x, 3) for x in left.tolist()]      # 20 is 40 steps: clipped
+        ([6, -2, 31], [0.0, -0.2, 4.5])
+    """
+    integers = torch.div(values, scale).round_().clamp_(-levels, levels)
+    return integers.to(torch.int8), torch.addcmul(values, integers, scale, value=-1)
+
+
 class Guard:
     """The first round of every step: each rank's non-finite flag and step, all-gathered.
 
@@ -191,7 +211,7 @@ class SparseStep:
         feedback: the slab's residual.
         value_dtype: send the selected values as this dtype (``torch.float16``,
             ``torch.bfloat16``, or ``torch.int8`` on a framing that carries a scale: see
-            :meth:`_quantised`); each rank's rounding error stays in its residual. None: the
+            :func:`quantise`); each rank's rounding error stays in its residual. None: the
             framing's choice (``Compact``: bfloat16), else the gradient's dtype.
         schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
         nonfinite: ``"skip"``: a step with a NaN or Inf on any rank changes nothing and
@@ -520,35 +540,6 @@ class SparseStep:
         largest = values.abs_().amax().view(1).to(torch.float32)
         return largest if scale is None else largest.mul_(scale)
 
-    def _quantised(
-        self, sent: torch.Tensor, shared: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``sent`` as 8-bit integers on the ``shared`` scale, and what rounding took.
-
-        Every rank learnt every rank's largest |value| at its own positions in the index
-        message; the largest of them becomes ``levels`` = 127 // n, so that the sum of n
-        ranks' integers fits 8 bits (the all-reduce sums int8). A rank's value at another
-        rank's position may lie beyond: it is clipped, and the rest stays in its residual
-        with the rounding.
-
-        Example:
-            >>> from microsparse.feedback import ErrorFeedback
-            >>> from microsparse.layout import Layout
-            >>> from microsparse.sparsifiers import create_sparsifier
-            >>> layout = Layout.of([("w", torch.zeros(8))])
-            >>> micro = create_sparsifier("micro", 0.5)
-            >>> micro.bind(layout, rank=0, world_size=4)
-            >>> feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))
-            >>> step = SparseStep(micro, feedback, value_dtype=torch.int8)
-            >>> step.levels                                   # 127 // 4
-            31
-            >>> wire, left = step._quantised(torch.tensor([3.0, -1.2, 20.0]), torch.tensor([0.5]))
-            >>> wire.tolist(), [round(x, 3) for x in left.tolist()]    # 20 is 40 steps: clipped
-            ([6, -2, 31], [0.0, -0.2, 4.5])
-        """
-        integers = torch.div(sent, shared).round_().clamp_(-self.levels, self.levels)
-        return integers.to(torch.int8), torch.addcmul(sent, integers, shared, value=-1)
-
     def _values(
         self,
         positions: torch.Tensor,
@@ -569,7 +560,7 @@ class SparseStep:
         if self.value_dtype is not None:
             # What rounding took from this rank's values stays behind in its residual.
             if shared is not None:
-                wire, left = self._quantised(sent_values, shared)
+                wire, left = quantise(sent_values, shared, self.levels)
             else:
                 wire = sent_values.to(self.value_dtype)
                 left = sent_values - wire
