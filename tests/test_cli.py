@@ -251,7 +251,9 @@ def test_the_hooks_min_speedup_choice_is_in_the_summary(tmp_path):
         (["--integration", "ddp", "--capture-gradients", "x"], "--capture-gradients"),
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--adam-correction"], "--adam-correction"),  # the MNIST recipe is SGD
-        (["--value-dtype", "int8"], "--value-dtype"),
+        (["--value-dtype", "float64"], "--value-dtype"),
+        (["--wire", "plain", "--value-dtype", "int8"], "--value-dtype"),
+        (["--sparsifier", "topk", "--value-dtype", "int8"], "--value-dtype"),
         (["--sparsifier", "dense", "--value-dtype", "float16"], "--value-dtype"),
         (["--task", "lm", "--optimizer", "adam", "--adam-correction"], "--adam-correction"),
         (["--decay-epochs", "a"], "--decay-epochs"),

@@ -22,6 +22,7 @@ from microsparse.sparsifiers import (
     TOPK_WIRES,
     WIRES,
     available_sparsifiers,
+    create_sparsifier,
 )
 from microsparse_lab import arguments
 from microsparse_lab.arguments import option
@@ -457,6 +458,12 @@ def _check_sparse_options(config: TrainConfig) -> None:
             f"must be one of {', '.join(VALUE_DTYPES)}; got {config.value_dtype!r}",
         )
         require_sparse("value_dtype", "narrows the values a sparsifier sends")
+        _require(
+            config.value_dtype != "int8" or _compact(config),
+            "value_dtype",
+            "int8 values need MiCRO's compact wire, whose index message carries their scale: "
+            "use --sparsifier micro with its default wire, or --value-dtype bfloat16",
+        )
     if config.adam_correction:
         _require(
             config.optimizer == "adam" and not config.weight_decay,
@@ -482,6 +489,16 @@ def _check_sparse_options(config: TrainConfig) -> None:
             "EPOCHS > 0, e.g. 0.01,0.5",
         )
         require_sparse("density_warmup", "needs a sparsifier that selects")
+
+
+def _compact(config: TrainConfig) -> bool:
+    """Whether the run sends MiCRO's compact wire (a bad option is another check's to name)."""
+    if config.sparsifier != "micro":
+        return False
+    try:
+        return create_sparsifier("micro", 0.5, **config.sparsifier_options()).wire != "plain"
+    except (TypeError, ValueError):
+        return True
 
 
 def _adam_correction_applies(config: TrainConfig) -> bool:
