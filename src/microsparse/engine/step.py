@@ -126,7 +126,7 @@ class StepReport:
 
 
 _TINY = torch.finfo(torch.float32).tiny
-"""The scale of an int8 step whose values are all 0 (any positive number would do)."""
+"""The least scale of an int8 step (its values all 0, or nearly): a normal number, never 0."""
 
 
 def quantise(
@@ -270,13 +270,13 @@ class SparseStep:
             return 0
         if not self.framing.carries_scale:
             raise ValueError(
-                f"value_dtype=torch.int8 needs an index message that carries the values' "
+                "value_dtype=torch.int8 needs an index message that carries the values' "
                 f"scale, which {self.sparsifier.name!r} on its {self.framing.name} wire has "
                 "not: use MiCRO on its compact wire (the default), or value_dtype=torch.bfloat16"
             )
         if self.world_size > 127:
             raise ValueError(
-                f"value_dtype=torch.int8 sums every rank's 8-bit values, which leaves each of "
+                "value_dtype=torch.int8 sums every rank's 8-bit values, which leaves each of "
                 f"{self.world_size} ranks less than one level (127 // n): use "
                 "value_dtype=torch.bfloat16 beyond 127 ranks"
             )
@@ -419,7 +419,7 @@ class SparseStep:
         shared = None
         if self.levels:  # every rank's largest |value|, the largest of them mapped to ±levels
             assert exchanged.scale_rows is not None
-            shared = exchanged.scale_rows.amax().clamp_(min=_TINY).div_(self.levels).view(1)
+            shared = exchanged.scale_rows.amax().div_(self.levels).clamp_(min=_TINY).view(1)
         values = self._values(positions, unused, skipped, scale, shared)
         averaged = yield from self._average(values, self.feedback.accumulated.dtype, skipped,
                                             clock, shared)  # fmt: skip
