@@ -109,6 +109,8 @@ def train_arguments(name: str, config: AccuracyConfig) -> list[str]:
     argv = ["--task", config.task]
     for key, amount in method.amount(config.density, config.budget).items():
         argv += [f"--{key}", repr(amount)]
+    if method.value_dtype is not None:
+        argv += ["--value-dtype", method.value_dtype]
     if method.kind == "peer":
         argv += ["--integration", "ddp", "--ddp-hook", name, "--sparsifier", "dense"]
     else:

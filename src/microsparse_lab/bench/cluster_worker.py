@@ -215,7 +215,8 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
     reducer, trained, state = None, model, None
     if method.kind == "loop":
         reducer = GradientReducer(model.named_parameters(), method.sparsifier,
-                                  **method.amount(args.density), **method.options)  # fmt: skip
+                                  **method.amount(args.density), **method.wire(),
+                                  **method.options)  # fmt: skip
     elif method.uses_ddp:
         trained, state = attach_method(method, model, args.density, args.warmup)
     settle = reducer is not None and args.threshold_start == "settled" and needs_settling(reducer)

@@ -35,7 +35,9 @@ A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the ru
 ``--density``: so one run (one dense target, the same links) compares densities side by side.
 Or its own byte budget, ``micro(budget=0.002)``, a fraction of dense's bytes
 (``microsparse.SparseOptions``): so wires compare at equal bytes, e.g.
-``micro(budget=0.002)`` and ``micro(budget=0.002,wire=compact)``.
+``micro(budget=0.002)`` and ``micro(budget=0.002,wire=compact)``. And the dtype its values
+travel in, ``micro(value_dtype=int8)@ddp`` (``float16``, ``bfloat16`` or ``int8``; a budget
+then buys the entries that dtype's bytes allow).
 
 Example:
     >>> method = parse_method("micro(selection=threshold)@ddp")
@@ -45,6 +47,8 @@ Example:
     {'density': 0.03}
     >>> parse_method("micro(budget=0.002)").amount(0.001), parse_method("micro").amount(0.001)
     ({'budget': 0.002}, {'density': 0.001})
+    >>> parse_method("micro(value_dtype=int8)@ddp").wire()
+    {'value_dtype': torch.int8}
     >>> parse_method("powersgd(rank=4)").rank, parse_method("powersgd").one_bucket
     (4, True)
     >>> parse_method("powersgd(rank=4,start=100)").start
@@ -68,6 +72,8 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from microsparse.sparsifiers import (
     Sparsifier,
@@ -199,6 +205,8 @@ HOOK_SUFFIX = "@ddp"
 SHARDED_SUFFIX = "@fsdp"
 DDP_KINDS = ("hook", "peer", "floor")
 """The kinds of method that train through DistributedDataParallel."""
+VALUE_DTYPES = ("float16", "bfloat16", "int8")
+"""What a method's own ``value_dtype=`` may name (``microsparse.SparseOptions``' value dtypes)."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +224,7 @@ class Method:
     density: float | None = None  # the name's own density (``micro(density=0.03)``), if any
     budget: float | None = None  # the name's own byte budget (``micro(budget=0.002)``), if any
     min_speedup: float | None = None  # the hook's min_speedup: sparse only where X times faster
+    value_dtype: str | None = None  # the name's own value dtype (``micro(value_dtype=int8)``)
 
     def amount(self, density: float | None, budget: float | None = None) -> dict[str, float]:
         """How much this method sends, as the one keyword of ``SparseOptions`` that says it:
@@ -228,6 +237,10 @@ class Method:
         if budget is not None:
             return {"budget": budget}
         return {} if density is None else {"density": density}
+
+    def wire(self) -> dict[str, torch.dtype]:
+        """The ``value_dtype`` keyword of ``SparseOptions`` where the name sets one."""
+        return {} if self.value_dtype is None else {"value_dtype": getattr(torch, self.value_dtype)}
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
@@ -288,6 +301,10 @@ def parse_method(name: str) -> Method:
         return Method(name, "peer", label, {}, rank, one_bucket, start)
     base, density = _own_amount(name, base, "density")
     base, budget = _own_amount(name, base, "budget")
+    base, value_dtype = _own_option(name, base, "value_dtype")
+    if value_dtype is not None and value_dtype not in VALUE_DTYPES:
+        raise ValueError(f"method {name!r}: value_dtype must be one of "
+                         f"{', '.join(VALUE_DTYPES)}, got {value_dtype!r}")  # fmt: skip
     if density is not None and budget is not None:
         raise ValueError(f"method {name!r}: give density or budget, not both")
     try:
@@ -301,17 +318,15 @@ def parse_method(name: str) -> Method:
     kind = "hook" if hooked else "loop"
     return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
                   one_exchange=one_exchange, density=density, budget=budget,
-                  min_speedup=min_speedup)  # fmt: skip
+                  min_speedup=min_speedup, value_dtype=value_dtype)  # fmt: skip
 
 
 def _own_amount(name: str, base: str, key: str) -> tuple[str, float | None]:
     """``base`` without its ``density=`` (or ``budget=``) option, and that value (None if it
     has none)."""
-    label, _, arguments = base.partition("(")
-    options = _arguments(name, arguments)
-    if key not in options:
+    base, text = _own_option(name, base, key)
+    if text is None:
         return base, None
-    text = options.pop(key)
     try:
         value = float(text)
     except ValueError:
@@ -321,8 +336,18 @@ def _own_amount(name: str, base: str, key: str) -> tuple[str, float | None]:
     if key == "budget" and not (math.isfinite(value) and value > 0):
         raise ValueError(f"method {name!r}: budget must be a number > 0 (a fraction of "
                          f"dense's bytes), got {text!r}")  # fmt: skip
+    return base, value
+
+
+def _own_option(name: str, base: str, key: str) -> tuple[str, str | None]:
+    """``base`` without its option ``key``, and that option's text (None if it has none)."""
+    label, _, arguments = base.partition("(")
+    options = _arguments(name, arguments)
+    if key not in options:
+        return base, None
+    text = options.pop(key)
     rest = ",".join(f"{option}={setting}" for option, setting in options.items())
-    return (f"{label}({rest})" if rest else label), value
+    return (f"{label}({rest})" if rest else label), text
 
 
 def _positive(name: str, key: str, text: str) -> float:
