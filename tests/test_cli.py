@@ -380,6 +380,14 @@ def test_a_bad_value_from_the_config_file_names_the_file(capsys, tmp_path):
         main(["train", "--config", str(config), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     assert f"argument --config: {config}: density must be in (0, 1]" in capsys.readouterr().err
+    # an error found while the config resolves, too; the command line's own values by flag
+    config.write_text(json.dumps({"sparsifier": "topk", "value_dtype": "int8"}))
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(config), "--out", str(tmp_path / "out")])
+    assert f"argument --config: {config}: value_dtype=torch.int8 needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(config), "--value-dtype", "int8", "--out", str(tmp_path)])
+    assert "argument --value-dtype: value_dtype=torch.int8 needs" in capsys.readouterr().err
 
 
 def test_config_file_with_an_unknown_key_exits_2(capsys, tmp_path):

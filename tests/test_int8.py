@@ -22,6 +22,8 @@ from microsparse.engine import FlatOutput, SparseStep, run_blocking
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.sparsifiers import create_sparsifier
+from microsparse_lab.bench.accuracy import AccuracyConfig, train_arguments
+from microsparse_lab.methods.names import parse_method
 from test_cli import records_by_value_dtype
 
 NUMEL, STEPS, INF_STEP = 30_000, 5, 3
@@ -123,6 +125,9 @@ def test_int8_is_refused_where_it_cannot_work() -> None:
         sparsifier.bind(layout, 0, 2)
         with pytest.raises(ValueError, match="value_dtype=torch.int8 needs an index message"):
             SparseStep(sparsifier, feedback, value_dtype=torch.int8)
+        with pytest.raises(ValueError, match=f"which '{name}' on its (padded|fixed) wire"):
+            SparseOptions(name, 0.01, value_dtype=torch.int8, options=options)
+    SparseOptions("micro", 1.0, value_dtype=torch.int8, options={"wire": "plain"})  # dense
     micro = create_sparsifier("micro", 0.01)
     micro.bind(layout, 0, 128)
     with pytest.raises(ValueError, match="value_dtype=torch.bfloat16 beyond 127 ranks"):
@@ -146,3 +151,15 @@ def test_train_sends_int8_values_for_fewer_bytes(tmp_path) -> None:
         assert narrow["bytes_sent"] < wide["bytes_sent"]
     summary = json.loads((tmp_path / "int8" / "summary.json").read_text())
     assert summary["config"]["value_dtype"] == "int8"
+
+
+def test_a_method_name_carries_its_value_dtype_to_every_integration() -> None:
+    method = parse_method("micro(value_dtype=int8,budget=0.002)@ddp")
+    assert (method.kind, method.options, method.budget) == ("hook", {}, 0.002)
+    assert method.wire() == {"value_dtype": torch.int8}
+    assert parse_method("micro").wire() == {}
+    arguments = train_arguments(method.name, AccuracyConfig(methods=("dense", method.name)))
+    assert arguments[arguments.index("--value-dtype") + 1] == "int8"
+    assert "--budget" in arguments and "--integration" in arguments
+    with pytest.raises(ValueError, match="value_dtype must be one of float16, bfloat16, int8"):
+        parse_method("micro(value_dtype=int4)@ddp")

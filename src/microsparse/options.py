@@ -121,7 +121,9 @@ class SparseOptions:
             )
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
-        density = self._resolved_density(owner)
+        density, sparsifier = self._resolved_density(owner)
+        if density < 1.0:  # a dense average sends the gradient's own dtype
+            sparsifier.framing_kind().check_value_dtype(self.value_dtype, self.sparsifier)
         momentum = check_momentum(self.momentum_correction)
         adam = None if self.adam_correction is None else check_adam(self.adam_correction)
         warmup = DensityWarmup.of(self.density_warmup)
@@ -131,13 +133,14 @@ class SparseOptions:
                   options=dict(self.options))  # fmt: skip
         self._check_corrections()
 
-    def _resolved_density(self, owner: tuple[str, list[str]] | None) -> float:
-        """``density``, or the density ``budget`` buys on the sparsifier's wire; the
-        sparsifier's errors first, with the closest spelling of a misspelt keyword."""
+    def _resolved_density(self, owner: tuple[str, list[str]] | None) -> tuple[float, Sparsifier]:
+        """``density``, or the density ``budget`` buys on the sparsifier's wire, and a
+        sparsifier of these options; the sparsifier's errors first, with the closest spelling
+        of a misspelt keyword."""
         if self.density is not None and self.budget is None:
             density = validate_density(self.density)
-            create_sparsifier(self.sparsifier, density, owner=owner, **self.options)
-            return density
+            return density, create_sparsifier(self.sparsifier, density, owner=owner,
+                                              **self.options)  # fmt: skip
         if self.density is not None:
             raise ValueError(
                 f"give density or budget, not both (got density={self.density!r}, "
@@ -156,7 +159,7 @@ class SparseOptions:
                 f"budget is at most {largest:g} (density 1); give a budget up to {largest:g}, "
                 "or density=1 to average densely"
             )
-        return density
+        return density, probe
 
     def _set(self, **values: Any) -> None:
         for name, value in values.items():

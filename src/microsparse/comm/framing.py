@@ -132,6 +132,17 @@ class Framing(ABC):
         values = torch.float32 if value_dtype is None else value_dtype
         return cls.position_bytes + values.itemsize
 
+    @classmethod
+    def check_value_dtype(cls, value_dtype: torch.dtype | None, sparsifier: str) -> None:
+        """Refuse values this wire cannot carry: 8-bit integers need the scale in the message
+        (:attr:`carries_scale`)."""
+        if value_dtype == torch.int8 and not cls.carries_scale:
+            raise ValueError(
+                "value_dtype=torch.int8 needs an index message that carries the values' "
+                f"scale, which {sparsifier!r} on its {cls.name} wire has not: use MiCRO on its "
+                "compact wire (the default), or value_dtype=torch.bfloat16"
+            )
+
     @abstractmethod
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         """Yield the collectives that share ``proposal``; return what they gave."""
@@ -520,6 +531,10 @@ class Dense(Framing):
     name = "dense"
     label = "dense"
     position_bytes = 0  # every entry, in order
+
+    @classmethod
+    def check_value_dtype(cls, value_dtype: torch.dtype | None, sparsifier: str) -> None:
+        """Any: a dense average sends the gradient's own dtype."""
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         yield from ()  # nothing to exchange: the values are the whole vector

@@ -268,12 +268,7 @@ class SparseStep:
     def _int8_levels(self) -> int:
         if self.value_dtype != torch.int8 or isinstance(self.framing, Dense):
             return 0
-        if not self.framing.carries_scale:
-            raise ValueError(
-                "value_dtype=torch.int8 needs an index message that carries the values' "
-                f"scale, which {self.sparsifier.name!r} on its {self.framing.name} wire has "
-                "not: use MiCRO on its compact wire (the default), or value_dtype=torch.bfloat16"
-            )
+        self.framing.check_value_dtype(self.value_dtype, self.sparsifier.name)
         if self.world_size > 127:
             raise ValueError(
                 "value_dtype=torch.int8 sums every rank's 8-bit values, which leaves each of "

@@ -116,20 +116,24 @@ class Sparsifier(ABC):
     def entry_bytes(self, value_dtype: torch.dtype | None = None) -> int:
         """Nominal bytes of one entry this sparsifier sends, known from its options alone
         (before :meth:`bind`): its framing's position and the value as ``value_dtype``
-        (:meth:`Framing.entry_bytes`). A byte budget divides by it. A sparsifier whose options
-        choose its framing overrides this.
+        (:meth:`Framing.entry_bytes`). A byte budget divides by it.
 
         Example:
             >>> from microsparse.sparsifiers import create_sparsifier
             >>> create_sparsifier("topk", 0.01).entry_bytes(torch.float16)
             6
         """
+        return self.framing_kind().entry_bytes(value_dtype)
+
+    def framing_kind(self) -> type[Framing]:
+        """The class of :meth:`framing`, known from the options alone (before :meth:`bind`):
+        :attr:`framing_class`. A sparsifier whose options choose its framing overrides this."""
         if self.framing_class is None:
             raise TypeError(
                 f"sparsifier {self.name!r} does not state its framing_class, so a byte budget "
                 "cannot price its entries: give density instead, or set framing_class"
             )
-        return self.framing_class.entry_bytes(value_dtype)
+        return self.framing_class
 
     @abstractmethod
     def select(

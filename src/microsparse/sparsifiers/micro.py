@@ -196,6 +196,9 @@ class Micro(Sparsifier):
         framing, values = self._wire_format()
         return framing.entry_bytes(values if value_dtype is None else value_dtype)
 
+    def framing_kind(self) -> type[Framing]:
+        return self._wire_format()[0]
+
     def framing(self) -> Framing:
         framing, values = self._wire_format()
         if framing is Compact:

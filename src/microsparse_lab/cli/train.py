@@ -114,8 +114,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     writes = env is None or env.rank == 0  # only rank 0 writes
     if writes:
         _check_out(config, args, parser)
-    from_file = set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
-    data = _check_before_spawning(config, workers, parser, from_file, args.config)
+    data = _check_before_spawning(config, workers, parser, _from_file(args), args.config)
     if writes:
         try:
             claim(config.out)
@@ -170,7 +169,14 @@ def _config(
             values.setdefault("capture_steps", 1)
         return TrainConfig(**values).resolved(), None
     except ConfigError as error:
+        if error.field != "config" and error.field in _from_file(args):
+            parser.error(f"argument --config: {args.config}: {error.message}")
         parser.error(f"argument {flag(TrainConfig, error.field)}: {error.message}")
+
+
+def _from_file(args: argparse.Namespace) -> set[str]:
+    """The fields the run takes from ``--config`` (those not also on the command line)."""
+    return set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
 
 
 def _check_out(

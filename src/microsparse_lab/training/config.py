@@ -11,8 +11,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from microsparse.options import SparseOptions
 from microsparse.sparsifiers import (
     INDEX_MESSAGES,
@@ -22,7 +20,6 @@ from microsparse.sparsifiers import (
     TOPK_WIRES,
     WIRES,
     available_sparsifiers,
-    create_sparsifier,
 )
 from microsparse_lab import arguments
 from microsparse_lab.arguments import option
@@ -67,7 +64,8 @@ SPARSIFIER_OPTIONS = ("selection", "threshold_rule", "partitioning", "index_mess
 
 def option_named_in(message: str) -> str:
     """The option (or ``density``) a sparsifier's error message names, else ``sparsifier``."""
-    return next((name for name in (*SPARSIFIER_OPTIONS, "density") if name in message),
+    return next((name for name in ("value_dtype", *SPARSIFIER_OPTIONS, "density")
+                 if name in message),
                 "sparsifier")  # fmt: skip
 
 
@@ -287,16 +285,18 @@ class TrainConfig:
 
     def _density(self) -> float:
         """``density``, or the density ``budget`` (or, given neither, the default budget)
-        buys on this run's wire."""
-        if self.budget is None and self.density is not None:
-            return self.density
+        buys on this run's wire; the library's own checks of the options first."""
+        given = self.density if self.budget is None else None
         try:
-            value_dtype = None if self.value_dtype is None else getattr(torch, self.value_dtype)
-            bought = SparseOptions(self.sparsifier, budget=self.budget, value_dtype=value_dtype,
+            # A name torch has no dtype for stays a name, for SparseOptions to refuse.
+            dtype = SparseOptions.DTYPES.get(f"torch.{self.value_dtype}", self.value_dtype)
+            bought = SparseOptions(self.sparsifier, given, value_dtype=dtype, budget=self.budget,
                                    options=self.sparsifier_options()).density  # fmt: skip
         except (TypeError, ValueError) as error:  # the budget's, or the options' own error
             field = "budget" if self.budget is not None else option_named_in(str(error))
             raise ConfigError(field, str(error)) from None
+        if given is not None:
+            return given
         # a resolved config (a resumed run's) holds the density its budget bought
         if self.density is not None and self.density != bought:
             raise ConfigError(
@@ -458,12 +458,6 @@ def _check_sparse_options(config: TrainConfig) -> None:
             f"must be one of {', '.join(VALUE_DTYPES)}; got {config.value_dtype!r}",
         )
         require_sparse("value_dtype", "narrows the values a sparsifier sends")
-        _require(
-            config.value_dtype != "int8" or _compact(config),
-            "value_dtype",
-            "int8 values need MiCRO's compact wire, whose index message carries their scale: "
-            "use --sparsifier micro with its default wire, or --value-dtype bfloat16",
-        )
     if config.adam_correction:
         _require(
             config.optimizer == "adam" and not config.weight_decay,
@@ -489,16 +483,6 @@ def _check_sparse_options(config: TrainConfig) -> None:
             "EPOCHS > 0, e.g. 0.01,0.5",
         )
         require_sparse("density_warmup", "needs a sparsifier that selects")
-
-
-def _compact(config: TrainConfig) -> bool:
-    """Whether the run sends MiCRO's compact wire (a bad option is another check's to name)."""
-    if config.sparsifier != "micro":
-        return False
-    try:
-        return create_sparsifier("micro", 0.5, **config.sparsifier_options()).wire != "plain"
-    except (TypeError, ValueError):
-        return True
 
 
 def _adam_correction_applies(config: TrainConfig) -> bool:
