@@ -122,7 +122,7 @@ class SparseOptions:
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
         density, sparsifier = self._resolved_density(owner)
-        if density < 1.0:  # a dense average sends the gradient's own dtype
+        if self.value_dtype == torch.int8 and density < 1.0:  # dense sends its own dtype
             sparsifier.framing_kind().check_value_dtype(self.value_dtype, self.sparsifier)
         momentum = check_momentum(self.momentum_correction)
         adam = None if self.adam_correction is None else check_adam(self.adam_correction)

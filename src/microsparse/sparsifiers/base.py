@@ -131,7 +131,8 @@ class Sparsifier(ABC):
         if self.framing_class is None:
             raise TypeError(
                 f"sparsifier {self.name!r} does not state its framing_class, so a byte budget "
-                "cannot price its entries: give density instead, or set framing_class"
+                "cannot price its entries (nor int8 values find their scale's room): give "
+                "density instead, or set framing_class"
             )
         return self.framing_class
 
