@@ -232,9 +232,10 @@ class Cluster:
             counted: dict[int, tuple[int, int]] = {}
             for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]:
                 name, _, fields = line.partition(":")
-                if name.strip() in ports:
+                host = ports.get(name.strip())
+                if host is not None:
                     received = fields.split()
-                    counted[ports[name.strip()]] = (int(received[0]), int(received[1]))
+                    counted[host] = (int(received[0]), int(received[1]))
             if len(counted) == self.hosts:
                 return [counted[host] for host in range(self.hosts)]
             # Not yet inside the namespace: ``ip netns exec`` enters it, then execs ``sleep``.
