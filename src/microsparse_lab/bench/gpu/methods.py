@@ -1,4 +1,5 @@
-"""The averaging methods whose training step is timed: DDP and its hooks, the loop API.
+"""The averaging methods whose training step is timed: DDP and its hooks, the loop API,
+FSDP2's hybrid sharding and ``microsparse.fsdp``.
 
 Each method wraps a fresh model into an :class:`Averaging`: the module to run forward on,
 what to run between ``backward()`` and ``optimizer.step()``, and the density it sent
@@ -17,11 +18,13 @@ from torch import nn
 
 import microsparse
 import microsparse.ddp
+import microsparse.fsdp
 
 DENSITY = 0.001
 STOCK = "stock DDP"
 MICRO = "micro_hook"
 ALL_REDUCE_LOOP = "all-reduce loop"
+HYBRID = "FSDP2 hybrid sharding"
 LARGE_BUCKETS_MB = 100
 """DDP's ``bucket_cap_mb`` in the row that gives the hook fewer, larger buckets (DDP's
 default is 25)."""
@@ -89,6 +92,54 @@ def _loop_api(model: nn.Module, device: torch.device) -> Averaging:
     return Averaging(model, reducer.synchronize, lambda: reducer.last_step)
 
 
+def _mesh(device: torch.device) -> Any:
+    """(replicate, shard): every rank a replica of its own (1 × 1 at world size 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(), 1),
+                            mesh_dim_names=("replicate", "shard"))  # fmt: skip
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The outermost repeated blocks (each element of a ``ModuleList`` or ``Sequential``
+    that holds parameters): a transformer's layers, a ResNet's bottlenecks."""
+    found = []
+    for child in module.children():
+        if isinstance(child, nn.ModuleList | nn.Sequential):
+            found += [block for block in child if any(True for _ in block.parameters())]
+        else:
+            found += _blocks(child)
+    return found
+
+
+def _fully_shard(model: nn.Module, mesh: Any) -> None:
+    """FSDP2 as users apply it: ``fully_shard`` each block, then the model (which keeps
+    the rest, tied weights among them); sum reductions on gloo, which has no average."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if dist.get_backend() == "gloo":
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_force_sum_reduction_for_comms(True)
+
+
+def _hybrid(model: nn.Module, device: torch.device) -> Averaging:
+    """FSDP2's own hybrid sharding over the 2-D mesh: what a user of FSDP2 would run."""
+    _fully_shard(model, _mesh(device))
+    return Averaging(model)
+
+
+def _sparse_fsdp(model: nn.Module, device: torch.device) -> Averaging:
+    """FSDP2 over the shard dimension, ``microsparse.fsdp`` across the replicate dimension."""
+    mesh = _mesh(device)
+    _fully_shard(model, mesh["shard"])
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=DENSITY)
+    return Averaging(model, stats=lambda: state.last_step)
+
+
 def _bf16_compress(state, bucket):  # unannotated: DDP rejects annotations given as strings
     """torch's ``bf16_compress_hook`` under another name: DDP accepts that one by name only
     on NCCL, and the CPU dry run has gloo (which all-reduces bfloat16 too)."""
@@ -115,6 +166,9 @@ def methods(device: torch.device) -> list[Method]:
         # Fewer, larger buckets: each bucket's step has a fixed cost (its rounds, its kernels).
         Method(f"micro_hook, {LARGE_BUCKETS_MB} MB buckets", _hooked(
             lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook, LARGE_BUCKETS_MB)),
+        # 8-bit values on a scale shared in the index message: 15 more small kernels a bucket.
+        Method("micro_hook, int8 values", _hooked(
+            lambda: ddp.MicroState(density=DENSITY, value_dtype=torch.int8), ddp.micro_hook)),
         Method("sparse_hook topk", _hooked(lambda: ddp.SparseState("topk", DENSITY),
                                            ddp.sparse_hook)),
         # The union as n·k fixed slots: no host sync, the values' bytes at their worst.
@@ -125,4 +179,6 @@ def methods(device: torch.device) -> list[Method]:
         Method("PowerSGD rank 4", _hooked(power_sgd, powerSGD_hook.powerSGD_hook)),
         Method(ALL_REDUCE_LOOP, _all_reduce_loop, baseline=ALL_REDUCE_LOOP),
         Method("GradientReducer micro", _loop_api, baseline=ALL_REDUCE_LOOP),
+        Method(HYBRID, _hybrid, baseline=HYBRID),
+        Method("microsparse.fsdp micro", _sparse_fsdp, baseline=HYBRID),
     ]  # fmt: skip

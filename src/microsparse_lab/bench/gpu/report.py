@@ -56,9 +56,10 @@ def _models(section: dict[str, Any]) -> list[str]:
     lines = ["", "## Training steps, world size 1", "",
              f"Host syncs: {', '.join(HOST_SYNCS)}. Kernel launches: {', '.join(LAUNCHES)}. "
              f"Also counted: {', '.join(ASYNC_COPIES)}. ¹ GradientReducer: × the all-reduce "
-             "loop. ² The most allocated during the timed steps beyond what was allocated "
-             "before the method began. Every method is timed before any is profiled; stock "
-             "DDP is timed again last."]  # fmt: skip
+             "loop; microsparse.fsdp: × FSDP2's hybrid sharding (each block and the model "
+             "fully_shard-ed, mesh replicate × shard = 1 × 1). ² The most allocated during "
+             "the timed steps beyond what was allocated before the method began. Every "
+             "method is timed before any is profiled; stock DDP is timed again last."]  # fmt: skip
     if "error" in section:
         lines += ["", "Failed: " + section["error"].strip().splitlines()[-1]]
     for model in section.get("results", []):
