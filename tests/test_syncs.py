@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import microsparse
 import microsparse.ddp
+import microsparse.fsdp
 from distributed import run_ranks
 from microsparse_lab.bench import syncs_table
 from microsparse_lab.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
@@ -136,7 +137,7 @@ def test_micro_reducer_step_makes_no_sync(worker, tmp_path) -> None:
     ids=["fixed", "compact", "int8"],
 )
 def test_micro_hook_step_makes_no_sync(options, tmp_path) -> None:
-    state = microsparse.ddp.MicroState(density=DENSITY, **options)
+    state = microsparse.ddp.MicroState(density=DENSITY, **(options or {}))
     for syncs, buckets, _ in run_ranks(ddp_worker, 2, tmp_path, counted_micro_hook, state):
         assert buckets >= 3, buckets
         assert syncs.total == 0, syncs
@@ -166,3 +167,48 @@ def test_the_table_tells_a_fixed_size_from_one_the_data_decides(tmp_path) -> Non
     assert topk["loop"].counts["aten::_unique2"] == 1
     assert topk["hook"].counts["aten::_unique2"] == 5  # one per DDP bucket
     assert fixed["loop"].total == fixed["hook"].total == 0, fixed
+
+
+def fsdp_worker(
+    rank: int, n: int, sparse: bool, options: dict | None = None
+) -> tuple[HostSyncs, int, int]:
+    """Syncs per steady step of the table's model under FSDP2 (each layer, then the model,
+    over a shard dimension of 1), hybrid sharding's or ``microsparse.fsdp``'s average across
+    the n replicas; the FSDP modules, and the passes the sparse state averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh("cpu", (n, 1), mesh_dim_names=("replicate", "shard"))
+    net = model()
+    sharded_over = mesh["shard"] if sparse else mesh
+    for layer in net:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=sharded_over)
+    fully_shard(net, mesh=sharded_over)
+    units = [m for m in net.modules() if isinstance(m, FSDPModule)]
+    state = None
+    if sparse:
+        options = options or {}
+        state = microsparse.fsdp.sparsify(net, mesh["replicate"], density=DENSITY, **options)
+    else:
+        for unit in units:
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no ReduceOp.AVG
+    syncs = steady_syncs(training_step(net, rank))
+    return syncs, len(units), 0 if state is None else state.step
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["hybrid sharding", "microsparse.fsdp"])
+def test_fsdp_step_makes_no_sync(sparse, tmp_path) -> None:
+    """Inside FSDP2's all-reduce hook a sync would stall its prefetching on a GPU: MiCRO's
+    default reads nothing back there either, in any of the model's 7 FSDP modules."""
+    for syncs, units, passes in run_ranks(fsdp_worker, 2, tmp_path, sparse):
+        assert units == 7
+        assert passes == (syncs_table.WARMUP + COUNTED if sparse else 0)
+        assert syncs.total == 0, syncs
+
+
+def test_the_count_sees_a_sync_inside_fsdps_hook(tmp_path) -> None:
+    """``nonfinite="raise"`` reads the guard on the host inside the hook, once a module that
+    holds parameters of its own: the 6 layers (the root holds none)."""
+    for syncs, units, _ in run_ranks(fsdp_worker, 2, tmp_path, True, {"nonfinite": "raise"}):
+        assert syncs.total >= units - 1, syncs
