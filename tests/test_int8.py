@@ -127,7 +127,9 @@ def test_int8_is_refused_where_it_cannot_work() -> None:
             SparseStep(sparsifier, feedback, value_dtype=torch.int8)
         with pytest.raises(ValueError, match=f"which '{name}' on its (padded|fixed) wire"):
             SparseOptions(name, 0.01, value_dtype=torch.int8, options=options)
-    SparseOptions("micro", 1.0, value_dtype=torch.int8, options={"wire": "plain"})  # dense
+    with pytest.raises(ValueError, match="on its fixed wire"):  # as the engine would
+        SparseOptions("micro", 1.0, value_dtype=torch.int8, options={"wire": "plain"})
+    SparseOptions("dense", 0.5, value_dtype=torch.int8)  # a dense average sends its own dtype
     micro = create_sparsifier("micro", 0.01)
     micro.bind(layout, 0, 128)
     with pytest.raises(ValueError, match="value_dtype=torch.bfloat16 beyond 127 ranks"):
@@ -156,10 +158,13 @@ def test_train_sends_int8_values_for_fewer_bytes(tmp_path) -> None:
 def test_a_method_name_carries_its_value_dtype_to_every_integration() -> None:
     method = parse_method("micro(value_dtype=int8,budget=0.002)@ddp")
     assert (method.kind, method.options, method.budget) == ("hook", {}, 0.002)
-    assert method.wire() == {"value_dtype": torch.int8}
-    assert parse_method("micro").wire() == {}
+    assert method.value_options() == {"value_dtype": torch.int8}
+    assert parse_method("micro").value_options() == {}
     arguments = train_arguments(method.name, AccuracyConfig(methods=("dense", method.name)))
     assert arguments[arguments.index("--value-dtype") + 1] == "int8"
-    assert "--budget" in arguments and "--integration" in arguments
+    assert arguments[arguments.index("--integration") + 1] == "ddp"
+    assert arguments[arguments.index("--budget") + 1] == "0.002"
     with pytest.raises(ValueError, match="value_dtype must be one of float16, bfloat16, int8"):
         parse_method("micro(value_dtype=int4)@ddp")
+    with pytest.raises(ValueError, match="'topk\\(value_dtype=int8\\)@ddp': .* padded wire"):
+        parse_method("topk(value_dtype=int8)@ddp")  # refused before any worker starts

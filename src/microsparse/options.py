@@ -112,6 +112,23 @@ class SparseOptions:
     DTYPES: ClassVar[dict[str, torch.dtype | None]] = {
         str(dtype): dtype for dtype in VALUE_DTYPES
     }
+    VALUE_DTYPE_NAMES: ClassVar[tuple[str, ...]] = tuple(
+        str(dtype).removeprefix("torch.") for dtype in VALUE_DTYPES if dtype is not None
+    )
+    """The value dtypes by short name, as a command line gives them (``--value-dtype int8``)."""
+
+    @classmethod
+    def value_dtype_named(cls, name: str) -> torch.dtype:
+        """The value dtype a short name means.
+
+        Example:
+            >>> SparseOptions.value_dtype_named("int8")
+            torch.int8
+        """
+        if name not in cls.VALUE_DTYPE_NAMES:
+            raise ValueError(f"value_dtype must be one of {', '.join(cls.VALUE_DTYPE_NAMES)}; "
+                             f"got {name!r}")  # fmt: skip
+        return getattr(torch, name)
 
     def __post_init__(self, owner: tuple[str, list[str]] | None) -> None:
         if self.value_dtype not in VALUE_DTYPES:
@@ -122,8 +139,8 @@ class SparseOptions:
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
         density, sparsifier = self._resolved_density(owner)
-        if self.value_dtype == torch.int8 and density < 1.0:  # dense sends its own dtype
-            sparsifier.framing_kind().check_value_dtype(self.value_dtype, self.sparsifier)
+        if self.value_dtype == torch.int8:
+            _check_int8_wire(sparsifier, self.sparsifier)
         momentum = check_momentum(self.momentum_correction)
         adam = None if self.adam_correction is None else check_adam(self.adam_correction)
         warmup = DensityWarmup.of(self.density_warmup)
@@ -266,3 +283,13 @@ class SparseOptions:
     def fingerprint(self) -> int:
         """A checksum of every option, equal on ranks whose options are equal."""
         return zlib.crc32(repr(sorted(self.to_dict().items())).encode())
+
+
+def _check_int8_wire(sparsifier: Sparsifier, name: str) -> None:
+    """Refuse int8 values on a wire without room for their scale, where the options tell the
+    wire; a sparsifier that states no framing class is checked by the engine once bound."""
+    try:
+        kind = sparsifier.framing_kind()
+    except TypeError:
+        return
+    kind.check_value_dtype(torch.int8, name)

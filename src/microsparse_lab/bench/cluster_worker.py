@@ -215,7 +215,7 @@ def measure(name: str, args: argparse.Namespace, link: LinkCounter, steps: int) 
     reducer, trained, state = None, model, None
     if method.kind == "loop":
         reducer = GradientReducer(model.named_parameters(), method.sparsifier,
-                                  **method.amount(args.density), **method.wire(),
+                                  **method.amount(args.density), **method.value_options(),
                                   **method.options)  # fmt: skip
     elif method.uses_ddp:
         trained, state = attach_method(method, model, args.density, args.warmup)

@@ -175,8 +175,12 @@ def _config(
 
 
 def _from_file(args: argparse.Namespace) -> set[str]:
-    """The fields the run takes from ``--config`` (those not also on the command line)."""
-    return set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
+    """The fields the run takes from ``--config`` (those not also on the command line); none
+    from a file that cannot be read (its own error says so)."""
+    try:
+        return set(config_from_file(args.config)) - set(_given(args)) if args.config else set()
+    except ConfigError:
+        return set()
 
 
 def _check_out(

@@ -32,7 +32,7 @@ def attach_method(
     if method.kind == "floor":
         ddp.register_comm_hook(None, unchanged_hook)
     elif method.kind == "hook":
-        state = SparseState(method.sparsifier, **method.amount(density), **method.wire(),
+        state = SparseState(method.sparsifier, **method.amount(density), **method.value_options(),
                             one_exchange=method.one_exchange, min_speedup=method.min_speedup,
                             **method.options)  # fmt: skip
         ddp.register_comm_hook(state, sparse_hook)

@@ -47,7 +47,7 @@ Example:
     {'density': 0.03}
     >>> parse_method("micro(budget=0.002)").amount(0.001), parse_method("micro").amount(0.001)
     ({'budget': 0.002}, {'density': 0.001})
-    >>> parse_method("micro(value_dtype=int8)@ddp").wire()
+    >>> parse_method("micro(value_dtype=int8)@ddp").value_options()
     {'value_dtype': torch.int8}
     >>> parse_method("powersgd(rank=4)").rank, parse_method("powersgd").one_bucket
     (4, True)
@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 
+from microsparse import SparseOptions
 from microsparse.sparsifiers import (
     Sparsifier,
     available_sparsifiers,
@@ -205,8 +206,6 @@ HOOK_SUFFIX = "@ddp"
 SHARDED_SUFFIX = "@fsdp"
 DDP_KINDS = ("hook", "peer", "floor")
 """The kinds of method that train through DistributedDataParallel."""
-VALUE_DTYPES = ("float16", "bfloat16", "int8")
-"""What a method's own ``value_dtype=`` may name (``microsparse.SparseOptions``' value dtypes)."""
 
 
 @dataclass(frozen=True)
@@ -238,9 +237,11 @@ class Method:
             return {"budget": budget}
         return {} if density is None else {"density": density}
 
-    def wire(self) -> dict[str, torch.dtype]:
+    def value_options(self) -> dict[str, torch.dtype]:
         """The ``value_dtype`` keyword of ``SparseOptions`` where the name sets one."""
-        return {} if self.value_dtype is None else {"value_dtype": getattr(torch, self.value_dtype)}
+        if self.value_dtype is None:
+            return {}
+        return {"value_dtype": SparseOptions.value_dtype_named(self.value_dtype)}
 
     def compresses_from(self, default: int) -> int:
         """The first step PowerSGD compresses: the name's ``start``, else ``default`` (>= 2)."""
@@ -302,9 +303,6 @@ def parse_method(name: str) -> Method:
     base, density = _own_amount(name, base, "density")
     base, budget = _own_amount(name, base, "budget")
     base, value_dtype = _own_option(name, base, "value_dtype")
-    if value_dtype is not None and value_dtype not in VALUE_DTYPES:
-        raise ValueError(f"method {name!r}: value_dtype must be one of "
-                         f"{', '.join(VALUE_DTYPES)}, got {value_dtype!r}")  # fmt: skip
     if density is not None and budget is not None:
         raise ValueError(f"method {name!r}: give density or budget, not both")
     try:
@@ -315,6 +313,12 @@ def parse_method(name: str) -> Method:
             f"method {name!r}: unknown; choose from {', '.join(choices)} (a sparsifier may "
             f"end in {HOOK_SUFFIX} for the DDP hook)"
         ) from None
+    if value_dtype is not None:  # here, not in every worker after dense has trained
+        try:
+            SparseOptions(variant.name, density or 0.001, options=variant.options,
+                          value_dtype=SparseOptions.value_dtype_named(value_dtype))  # fmt: skip
+        except ValueError as error:
+            raise ValueError(f"method {name!r}: {error}") from None
     kind = "hook" if hooked else "loop"
     return Method(name, kind, variant.name, dict(variant.options), one_bucket=one_bucket,
                   one_exchange=one_exchange, density=density, budget=budget,

@@ -27,7 +27,7 @@ from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.training.tasks import Recipe, Task, available_tasks, get_task
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
-VALUE_DTYPES = ("float16", "bfloat16", "int8")
+VALUE_DTYPES = SparseOptions.VALUE_DTYPE_NAMES
 """``value_dtype`` choices: torch dtypes that the sparse values may travel in."""
 RESUMABLE_CHANGES = (
     "epochs", "max_steps", "progress", "log_every", "checkpoint_every", "checkpoint_per_epoch",
@@ -64,8 +64,7 @@ SPARSIFIER_OPTIONS = ("selection", "threshold_rule", "partitioning", "index_mess
 
 def option_named_in(message: str) -> str:
     """The option (or ``density``) a sparsifier's error message names, else ``sparsifier``."""
-    return next((name for name in ("value_dtype", *SPARSIFIER_OPTIONS, "density")
-                 if name in message),
+    return next((name for name in (*SPARSIFIER_OPTIONS, "density") if name in message),
                 "sparsifier")  # fmt: skip
 
 
@@ -287,14 +286,17 @@ class TrainConfig:
         """``density``, or the density ``budget`` (or, given neither, the default budget)
         buys on this run's wire; the library's own checks of the options first."""
         given = self.density if self.budget is None else None
+        # A value dtype that is no name of one, or given to a peer, is check()'s to name.
+        named = self.value_dtype in VALUE_DTYPES and self.ddp_hook == "microsparse"
+        dtype = SparseOptions.value_dtype_named(self.value_dtype) if named else None
         try:
-            # A name torch has no dtype for stays a name, for SparseOptions to refuse.
-            dtype = SparseOptions.DTYPES.get(f"torch.{self.value_dtype}", self.value_dtype)
             bought = SparseOptions(self.sparsifier, given, value_dtype=dtype, budget=self.budget,
                                    options=self.sparsifier_options()).density  # fmt: skip
         except (TypeError, ValueError) as error:  # the budget's, or the options' own error
-            field = "budget" if self.budget is not None else option_named_in(str(error))
-            raise ConfigError(field, str(error)) from None
+            message = str(error)
+            field = ("value_dtype" if message.startswith("value_dtype")
+                     else "budget" if self.budget is not None else option_named_in(message))
+            raise ConfigError(field, message) from None
         if given is not None:
             return given
         # a resolved config (a resumed run's) holds the density its budget bought

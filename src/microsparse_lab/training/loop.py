@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from microsparse import GradientReducer
+from microsparse import GradientReducer, SparseOptions
 from microsparse.comm import all_reduce_bytes
 from microsparse.ddp import SparseState, sparse_hook
 from microsparse.engine import dense_stats
@@ -191,7 +191,7 @@ class Averaging:
         if config.adam_correction:  # the optimiser is then plain SGD at Adam's rate
             options["adam_correction"] = (*config.betas, 1e-8)  # torch's Adam's eps
         if config.value_dtype is not None:
-            options["value_dtype"] = getattr(torch, config.value_dtype)
+            options["value_dtype"] = SparseOptions.value_dtype_named(config.value_dtype)
         if config.density_warmup is not None:
             start, epochs = config.density_warmup
             options["density_warmup"] = (start, max(1, round(epochs * steps_per_epoch)))

@@ -101,18 +101,15 @@ def _mesh(device: torch.device) -> Any:
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:
-    """The outermost repeated blocks (each element of a ``ModuleList`` or ``Sequential``
-    that holds parameters): a transformer's layers, a ResNet's bottlenecks."""
-    found = []
-    for child in module.children():
-        if isinstance(child, nn.ModuleList | nn.Sequential):
-            found += [block for block in child if any(True for _ in block.parameters())]
-        else:
-            found += _blocks(child)
-    return found
+    """The outermost repeated blocks, each element of a ``ModuleList`` or ``Sequential``
+    that holds parameters: a transformer's layers, a ResNet's bottlenecks, the layers of a
+    model that is itself a ``Sequential``."""
+    if isinstance(module, nn.ModuleList | nn.Sequential):
+        return [block for block in module if any(True for _ in block.parameters())]
+    return [block for child in module.children() for block in _blocks(child)]
 
 
-def _fully_shard(model: nn.Module, mesh: Any) -> None:
+def fully_shard_blocks(model: nn.Module, mesh: Any) -> None:
     """FSDP2 as users apply it: ``fully_shard`` each block, then the model (which keeps
     the rest, tied weights among them); sum reductions on gloo, which has no average."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -128,14 +125,14 @@ def _fully_shard(model: nn.Module, mesh: Any) -> None:
 
 def _hybrid(model: nn.Module, device: torch.device) -> Averaging:
     """FSDP2's own hybrid sharding over the 2-D mesh: what a user of FSDP2 would run."""
-    _fully_shard(model, _mesh(device))
+    fully_shard_blocks(model, _mesh(device))
     return Averaging(model)
 
 
 def _sparse_fsdp(model: nn.Module, device: torch.device) -> Averaging:
     """FSDP2 over the shard dimension, ``microsparse.fsdp`` across the replicate dimension."""
     mesh = _mesh(device)
-    _fully_shard(model, mesh["shard"])
+    fully_shard_blocks(model, mesh["shard"])
     state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=DENSITY)
     return Averaging(model, stats=lambda: state.last_step)
 
