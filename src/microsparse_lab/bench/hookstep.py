@@ -33,6 +33,7 @@ from torch import nn
 import microsparse.ddp as mddp
 from microsparse_lab import arguments
 from microsparse_lab.methods.hooks import unchanged_hook
+from microsparse_lab.training.launch import leave_process
 
 FLOOR = "floor"
 CONFIGS: dict[str, tuple[object, bool]] = {  # name: (the hook's options, or None, or FLOOR; views)
@@ -83,6 +84,7 @@ def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float, 
         for name, ms in medians.items():
             print(f"{name:>32}: {ms:6.1f} ms  ({ms / medians['stock DDP']:.2f}x stock DDP)")
     dist.destroy_process_group()
+    leave_process(0)  # gloo's threads can abort a finished rank's teardown
 
 
 def main(argv: list[str]) -> None:

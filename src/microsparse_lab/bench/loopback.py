@@ -39,6 +39,7 @@ from microsparse.comm import Collective, ProcessGroupCollectives, index_dtype
 from microsparse.stats import StepStats
 from microsparse_lab.bench.costmodel import FRAMINGS
 from microsparse_lab.bench.workload import RESNET18_NUMEL, model_layout, synthetic_gradient
+from microsparse_lab.training.launch import leave_process
 
 REFERENCE = {"selection": "threshold", "threshold_rule": "as_coded",
              "partitioning": "contiguous", "index_message": "padded"}  # fmt: skip
@@ -150,6 +151,7 @@ def _rank(rank: int, config: LoopbackConfig, init: str, out: str) -> None:
     dist.destroy_process_group()
     if rank == 0:
         torch.save(gathered, out)
+    leave_process(0)  # gloo's threads can abort a finished rank's teardown
 
 
 def _bare_rounds(stats: StepStats, reducer: GradientReducer) -> dict[str, Any]:

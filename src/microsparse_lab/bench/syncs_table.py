@@ -29,6 +29,7 @@ from torch import nn
 import microsparse
 import microsparse.ddp
 from microsparse_lab.bench.syncs import HostSyncs, count_host_syncs
+from microsparse_lab.training.launch import leave_process
 
 CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("dense", {}),
@@ -131,6 +132,7 @@ def _worker(rank: int, init: str) -> None:
             print(f"| `{_label(row)}` | {syncs} | {hook.total:.3g} | {_names(hook)} | "
                   f"{operators} / {hook.operators:.0f} |")  # fmt: skip
     dist.destroy_process_group()
+    leave_process(0)  # gloo's threads can abort a finished rank's teardown
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import microsparse.ddp as mddp
 from microsparse import GradientReducer
 from microsparse.comm import all_gather_flat
+from microsparse_lab.training.launch import leave_process
 
 REFERENCE = {"selection": "threshold", "threshold_rule": "as_coded",
              "partitioning": "contiguous", "index_message": "padded"}  # fmt: skip
@@ -189,6 +190,7 @@ def _gloo_rank(rank: int, world_size: int, folder: str, device_type: str) -> Non
     dist.barrier()
     dist.destroy_process_group()
     torch.save({"refused": refused, "rows": rows}, Path(folder, f"rank{rank}.pt"))
+    leave_process(0)  # gloo's threads can abort a finished rank's teardown
 
 
 def _compared(name: str, options: dict[str, Any], device: torch.device, rank: int,
