@@ -73,16 +73,19 @@ def train(model: nn.Module, rank: int, steps: range, each=lambda step: None) -> 
     return seen
 
 
-def dense_worker(rank: int, n: int) -> bool:
+def dense_worker(rank: int, n: int, one_exchange: bool) -> bool:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hybrid = train(sharded(mesh), rank, range(STEPS))
     model = sharded(mesh["shard"])
-    microsparse.fsdp.sparsify(model, mesh["replicate"], density=1.0)
+    microsparse.fsdp.sparsify(model, mesh["replicate"], density=1.0, one_exchange=one_exchange)
     return same(hybrid, train(model, rank, range(STEPS)))
 
 
-def test_density_one_is_hybrid_sharding_bit_for_bit(tmp_path) -> None:
-    assert run_ranks(dense_worker, 4, tmp_path) == [True] * 4
+@pytest.mark.parametrize("one_exchange", [False, True])
+def test_density_one_is_hybrid_sharding_bit_for_bit(one_exchange, tmp_path) -> None:
+    """Per module, the sum over the shard dimension is halved by us, then by FSDP; after
+    backward, by FSDP, then by us: the same as hybrid sharding's division by 4 (powers of 2)."""
+    assert run_ranks(dense_worker, 4, tmp_path, one_exchange) == [True] * 4
 
 
 def accumulation_worker(rank: int, n: int) -> dict:
@@ -106,23 +109,27 @@ def accumulation_worker(rank: int, n: int) -> dict:
     model = sharded(mesh["shard"], policy)
     microsparse.fsdp.sparsify(model, mesh["replicate"], density=1.0)
     dense = run(model)
-    model = sharded(mesh["shard"], policy)
-    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05)
-    run(model)
-    return {
-        "dense is hybrid": same(hybrid, dense),
-        "steps": state.step,
-        "residual dtypes": {str(s.feedback.residual.dtype) for s in state._slabs.values()},
-        "k": (state.last_step.selected, state.last_step.target),
-    }
+    sparse = {}
+    for one_exchange in (False, True):
+        model = sharded(mesh["shard"], policy)
+        state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05,
+                                          one_exchange=one_exchange)  # fmt: skip
+        run(model)
+        sparse[one_exchange] = {
+            "steps": state.step,
+            "residual dtypes": {str(s.feedback.residual.dtype) for s in state._slabs.values()},
+            "k": (state.last_step.selected, state.last_step.target),
+        }
+    return {"dense is hybrid": same(hybrid, dense), "sparse": sparse}
 
 
 def test_gradient_accumulation_and_bf16_reduction(tmp_path) -> None:
     for result in run_ranks(accumulation_worker, 4, tmp_path):
         assert result["dense is hybrid"]
-        assert result["steps"] == STEPS  # one exchange per optimizer step, not per micro-batch
-        assert result["residual dtypes"] == {"torch.float32"}  # the residual stays float32
-        assert result["k"][0] == result["k"][1]
+        for sparse in result["sparse"].values():  # per module, and after backward
+            assert sparse["steps"] == STEPS  # one exchange per optimizer step, not micro-batch
+            assert sparse["residual dtypes"] == {"torch.float32"}  # the residual stays float32
+            assert sparse["k"][0] == sparse["k"][1]
 
 
 def micro_worker(rank: int, n: int, wire: str | None) -> dict:
@@ -177,6 +184,62 @@ def test_micro_conserves_every_shard_keeps_replicas_identical_and_sends_k(wire, 
         for selected, target, _ in result["selected"]:
             assert selected == target
         assert [step for _, _, step in result["selected"]] == list(range(1, STEPS + 1))
+
+
+def one_exchange_worker(rank: int, n: int) -> dict:
+    """``one_exchange``: every parameter's shard averaged in one step after backward."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replicate = mesh.get_group("replicate")
+    model = sharded(mesh["shard"])
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=0.05, one_exchange=True)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    worst, largest, rounds, identical, stats = 0.0, 0.0, {}, [], []
+    collective, average_model = state._collectives.run, state._average_model
+
+    def counted(request):  # the real collectives, counted by step
+        rounds[state.step] = rounds.get(state.step, 0) + 1
+        return collective(request)
+
+    def watched(record) -> None:  # the real step, observed
+        nonlocal worst, largest
+        slab = state._slabs.get(0)
+        before = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+        before += 0 if slab is None else slab.feedback.residual
+        average_model(record)
+        average = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+        kept = state._slabs[0].feedback.residual.clone()
+        dist.all_reduce(before, group=replicate)
+        dist.all_reduce(kept, group=replicate)
+        worst = max(worst, (before - (2 * average + kept)).abs().max().item())
+        largest = max(largest, (2 * average).abs().max().item())
+
+    state._collectives.run, state._average_model = counted, watched
+
+    def each(step: int) -> None:
+        last = state.last_step
+        numel = sum(p.to_local().numel() for p in model.parameters())
+        stats.append((last.selected, last.target, math.floor(0.05 * numel), last.extra["slabs"]))
+        params = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+        rows = [torch.empty_like(params) for _ in range(2)]
+        dist.all_gather(rows, params, group=replicate)
+        identical.append(torch.equal(rows[0], rows[1]))
+
+    train(model, rank, range(STEPS), each)
+    return {"worst": worst, "largest": largest, "rounds": rounds, "identical": identical,
+            "stats": stats, "units": units, "step": state.step}  # fmt: skip
+
+
+def test_one_exchange_averages_the_whole_model_in_two_rounds_and_conserves(tmp_path) -> None:
+    for result in run_ranks(one_exchange_worker, 4, tmp_path):
+        # each rank keeps its own bfloat16 rounding of the values (the compact wire)
+        assert 0 < result["worst"] <= 2**-8 * result["largest"] + 1e-5
+        assert all(result["identical"]) and result["step"] == STEPS
+        for selected, target, model_k, slabs in result["stats"]:
+            assert selected == target == model_k and slabs == 1  # k of the model, not split
+        # the options' agreement once, then the index message and the values, a step for the
+        # whole model, where the exchange per module takes two for each of its 4 modules
+        assert result["units"] == 4
+        assert result["rounds"] == {0: 3, **{step: 2 for step in range(1, STEPS)}}
 
 
 CORRECTIONS = [
@@ -275,6 +338,7 @@ RESUMED = [  # each saved after 2 steps, the warm-up's 3 not over then
     {},
     {"momentum_correction": 0.9, "momentum_nesterov": True, "density_warmup": (0.2, 3)},
     {"adam_correction": (0.5, 0.9, 1e-8)},
+    {"one_exchange": True, "momentum_correction": 0.9},
 ]
 
 
@@ -306,7 +370,8 @@ def resume_worker(rank: int, n: int, folder: str) -> dict:
     # Another mesh shape, the same ranks: 4 replicas of one shard each.
     other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
     # The corrections saved, none here: the velocity would be dropped without a word.
-    for (_, state), case in [(fresh(other), 0), (fresh(), 1)]:
+    # Saved after backward, restored per module: the residuals would be cut differently.
+    for (_, state), case in [(fresh(other), 0), (fresh(), 1), (fresh(), 3)]:
         try:
             dcp.load({"sparse": microsparse.OwnRank(state)}, checkpoint_id=f"{folder}/{case}")
             refused.append("no error")
@@ -318,11 +383,12 @@ def resume_worker(rank: int, n: int, folder: str) -> dict:
 def test_a_resumed_run_continues_bit_for_bit_through_dcp(tmp_path) -> None:
     for result in run_ranks(resume_worker, 4, tmp_path, str(tmp_path / "checkpoint")):
         assert result["exact"] == [True] * len(RESUMED)  # the velocity and moments too
-        other_mesh, without_corrections = result["refused"]
+        other_mesh, without_corrections, per_module = result["refused"]
         assert "saved with other options" in other_mesh
         assert "shard (this rank's place, shard size)" in other_mesh
         assert "momentum_correction [0.9, True] there, '(not set)' here" in without_corrections
         assert "density_warmup [0.2, 3] there" in without_corrections
+        assert "one_exchange True there, '(not set)' here" in per_module
 
 
 BAD_CORRECTIONS = [  # (the arguments, what the error must say)
@@ -347,6 +413,16 @@ BAD_CORRECTIONS = [  # (the arguments, what the error must say)
 ]  # fmt: skip
 
 
+def loose(mesh) -> nn.Module:
+    """The layers sharded, the model (which holds a parameter of its own) not."""
+    model = net()
+    model.register_parameter("scale", nn.Parameter(torch.ones(1)))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return model
+
+
 def refusal_worker(rank: int, n: int) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     messages = []
@@ -356,6 +432,7 @@ def refusal_worker(rank: int, n: int) -> list[str]:
         lambda: microsparse.fsdp.sparsify(sharded(mesh["shard"]), mesh, density=0.01),
         lambda: microsparse.fsdp.sparsify(sharded(mesh["shard"]), mesh["replicate"], 0.01,
                                           selction="threshold"),  # fmt: skip
+        lambda: microsparse.fsdp.sparsify(loose(mesh["shard"]), mesh["replicate"], 0.01),
     ]
     attempts += [
         functools.partial(
@@ -391,7 +468,7 @@ def refusal_worker(rank: int, n: int) -> list[str]:
 
 def test_bad_input_is_refused_on_every_rank_with_the_fix(tmp_path) -> None:
     for messages in run_ranks(refusal_worker, 4, tmp_path):
-        plain, hybrid, two_d, misspelt, *corrections, disagree, wrong_group = messages
+        plain, hybrid, two_d, misspelt, unsharded, *corrections, disagree, wrong_group = messages
         for (_, expected), message in zip(BAD_CORRECTIONS, corrections, strict=True):
             assert expected in message, message
         assert "momentum_correction (rank 0: [0.9, False], rank 1: [0.5, False])" in disagree
@@ -399,21 +476,25 @@ def test_bad_input_is_refused_on_every_rank_with_the_fix(tmp_path) -> None:
         assert "a 2-D mesh (hybrid sharding)" in hybrid and "mesh['shard']" in hybrid
         assert "replicate must be one dimension of the mesh" in two_d
         assert "'selction'" in misspelt and "selection" in misspelt
+        assert "1 of its parameters (scale, ...) are not sharded by FSDP2" in unsharded
+        assert "fully_shard(model, mesh=mesh['shard']) on the model itself" in unsharded
         assert "mesh['replicate']" in wrong_group and "shard (this rank's place" in wrong_group
 
 
-def scaler_worker(rank: int, n: int) -> dict:
+def scaler_worker(rank: int, n: int, one_exchange: bool) -> dict:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     plain = sharded(mesh["shard"])  # the same steps without a scaler, to compare with
-    unscaled = microsparse.fsdp.sparsify(plain, mesh["replicate"], 0.05)
+    unscaled = microsparse.fsdp.sparsify(plain, mesh["replicate"], 0.05,
+                                         one_exchange=one_exchange)  # fmt: skip
     plain_residuals = []
     train(plain, rank, range(4), lambda step: plain_residuals.append(
         [s.feedback.residual.clone() for s in unscaled._slabs.values()]))
     model = sharded(mesh["shard"])
     scaler = ShardedGradScaler("cpu", init_scale=2.0**12, growth_interval=3)
-    state = microsparse.fsdp.sparsify(model, mesh["replicate"], 0.05, grad_scaler=scaler)
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], 0.05, grad_scaler=scaler,
+                                      one_exchange=one_exchange)  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scales, moved, residuals = [], [], []
     for step in range(8):
@@ -434,8 +515,11 @@ def scaler_worker(rank: int, n: int) -> dict:
             "params": [p.to_local().detach().clone() for p in model.parameters()]}  # fmt: skip
 
 
-def test_a_grad_scaler_overflow_is_skipped_everywhere_and_training_goes_on(tmp_path) -> None:
-    results = run_ranks(scaler_worker, 4, tmp_path)
+@pytest.mark.parametrize("one_exchange", [False, True])
+def test_a_grad_scaler_overflow_is_skipped_everywhere_and_training_goes_on(
+    one_exchange, tmp_path
+) -> None:
+    results = run_ranks(scaler_worker, 4, tmp_path, one_exchange)
     for result in results:
         assert result["moved"][4] is False  # the overflowing step changed nothing, anywhere
         assert all(result["moved"][:4]) and all(result["moved"][5:])

@@ -192,11 +192,14 @@ def fsdp_worker(
     return syncs, len(units), 0 if state is None else state.step
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["hybrid sharding", "microsparse.fsdp"])
-def test_fsdp_step_makes_no_sync(sparse, tmp_path) -> None:
+@pytest.mark.parametrize(("sparse", "options"), [(False, None), (True, None),
+                                                 (True, {"one_exchange": True})],
+                         ids=["hybrid sharding", "microsparse.fsdp", "one exchange"])  # fmt: skip
+def test_fsdp_step_makes_no_sync(sparse, options, tmp_path) -> None:
     """Inside FSDP2's all-reduce hook a sync would stall its prefetching on a GPU: MiCRO's
-    default reads nothing back there either, in any of the model's 7 FSDP modules."""
-    for syncs, units, passes in run_ranks(fsdp_worker, 2, tmp_path, sparse):
+    default reads nothing back there either, in any of the model's 7 FSDP modules, nor in
+    its one exchange after backward."""
+    for syncs, units, passes in run_ranks(fsdp_worker, 2, tmp_path, sparse, options):
         assert units == 7
         assert passes == (syncs_table.WARMUP + COUNTED if sparse else 0)
         assert syncs.total == 0, syncs

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from microsparse.comm import ProcessGroupCollectives
 from microsparse.comm.collectives import check_agreement
@@ -16,6 +17,7 @@ from microsparse.ddp.slabs import Job, Slab
 from microsparse.ddp.state import PassRecord
 from microsparse.engine import FlatOutput
 from microsparse.engine.step import NonFinite, run_blocking, scaler_scale
+from microsparse.layout import FlatVector
 from microsparse.options import SparseOptions
 from microsparse.ranks import check_saved_by
 from microsparse.sparsifiers import keywords_of
@@ -37,6 +39,7 @@ def sparsify(
     adam_correction: tuple[float, float, float] | None = None,
     density_warmup: DensityWarmup | tuple[float, int] | None = None,
     grad_scaler: Any = None,
+    one_exchange: bool = False,
     **options: Any,
 ) -> ShardedState:
     """Average ``model``'s gradient shards across ``replicate`` sparsely, with error feedback.
@@ -72,6 +75,15 @@ def sparsify(
         density_warmup: ``(start, steps)``: send at density start · (density / start) **
             (t / steps) at step t < steps, then at ``density`` (the modules' ks add up to the
             model's at every step).
+        one_exchange: one exchange a step for the whole model, after backward, instead of
+            one per FSDP module inside FSDP's hook: two collective rounds a step (MiCRO's
+            compact wire) instead of two a module, so a few bytes of framing a step instead
+            of a few a module, and k not split among modules; it gives up overlapping the
+            exchange with the rest of backward and keeps one more buffer the size of the
+            rank's shard (the average, copied into the gradient shards). It averages FSDP's
+            gradient shards as the optimiser will see them: after FSDP's division and its
+            cast to the parameters' dtype (a bf16 ``reduce_dtype`` is then averaged in
+            float32).
         **options: the sparsifier's options (e.g. MiCRO's ``selection``).
 
     The corrections need error feedback: at density 1, or with ``dense``, they are refused.
@@ -92,7 +104,7 @@ def sparsify(
                            momentum_nesterov, adam_correction, density_warmup, options,
                            budget, owner=owner)  # fmt: skip
     chosen.check_scaler(grad_scaler)
-    state = ShardedState(replicate, chosen, grad_scaler)
+    state = ShardedState(replicate, chosen, grad_scaler, one_exchange)
     state.attach(model)
     return state
 
@@ -105,11 +117,24 @@ class ShardedState:
     over the shard dimension), its residual (the shard's size, in float32 at least), its
     sparsifier and its engine, bound to this rank's place in the replicate dimension. Each
     module's step runs to its end inside the hook, in the stream FSDP runs the hook in.
+
+    With ``one_exchange`` there is one slab, numbered 0: every parameter's local gradient
+    shard, in the model's order, averaged after backward (after FSDP's own last callback,
+    which makes the current stream wait for its reductions); the hook only marks that this
+    pass reduces (a micro-batch under ``set_requires_gradient_sync(False)`` does not).
     """
 
-    def __init__(self, replicate: Any, options: SparseOptions, grad_scaler: Any = None) -> None:
+    def __init__(
+        self,
+        replicate: Any,
+        options: SparseOptions,
+        grad_scaler: Any = None,
+        one_exchange: bool = False,
+    ) -> None:
         self.sparse_options = options
         """Every option of the sparse step, checked."""
+        self.one_exchange = one_exchange
+        """One exchange a step for the whole model, after backward (see :func:`sparsify`)."""
         self.grad_scaler = grad_scaler
         """The ``GradScaler`` whose scale the gradient shards carry, or None."""
         self.group = _replicate_group(replicate)
@@ -129,6 +154,10 @@ class ShardedState:
         self._agreed = False
         self._shard: tuple[int, int] = (0, 1)
         self._restored: dict[int, dict[str, Any]] | None = None
+        self._params: list[nn.Parameter] = []
+        """The sharded parameters, in the model's order (``one_exchange``'s slab)."""
+        self._flat: FlatVector | None = None
+        """``one_exchange``'s gradient, averaged in place: one buffer the size of the shard."""
 
     @property
     def density(self) -> float:
@@ -162,6 +191,14 @@ class ShardedState:
             raise ValueError(f"model: its FSDP modules use {len(meshes)} meshes; use one")
         shard = meshes.pop()
         self._shard = (shard.get_local_rank(), shard.size())
+        loose = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if loose:
+            raise ValueError(
+                f"model: {len(loose)} of its parameters ({loose[0]}, ...) are not sharded by "
+                "FSDP2, so nothing would average their gradients; call "
+                "fully_shard(model, mesh=mesh['shard']) on the model itself too, after its blocks"
+            )
+        self._params = list(model.parameters())
         force_sum = dist.get_backend(shard.get_group()) == "gloo"  # gloo has no ReduceOp.AVG
         for number, unit in enumerate(units):
             if force_sum:
@@ -172,7 +209,9 @@ class ShardedState:
 
     def _average(self, number: int, shard: torch.Tensor) -> None:
         record = self._record or self._begin_pass(shard.device)
-        slab = self._slabs.get(number) or self._new_slab(number, shard)
+        if self.one_exchange:
+            return  # the whole model's shards are averaged after backward (_end_pass)
+        slab = self._slabs.get(number) or self._new_slab(number, [shard])
         if slab.layout.numel != shard.numel():
             raise RuntimeError(
                 f"FSDP module {number}'s gradient shard has {shard.numel()} entries, but "
@@ -215,10 +254,49 @@ class ShardedState:
     def _end_pass(self, record: PassRecord) -> None:
         if self._record is not record:  # abandoned
             return
+        if self.one_exchange:
+            try:
+                self._average_model(record)
+            except BaseException:
+                self._abandon(record)
+                raise
         self._record = None
         if record.reports:
             self.last_step = record.stats(self.world_size)
         self.step += 1
+
+    def _average_model(self, record: PassRecord) -> None:
+        """``one_exchange``: average every parameter's local gradient shard in one step.
+
+        The shards are copied into one flat buffer of our own (one flat gradient: the step
+        can then carry its guard in the index message, two rounds in all), averaged there in
+        place, as a DDP bucket is, and copied back into the gradient shards FSDP set (new
+        tensors every step, each a view of its module's reduce-scatter output). A parameter
+        without a gradient in this pass (unused) counts as zeros and gets the average as its
+        gradient.
+        """
+        with torch.no_grad():
+            grads = [p.grad for p in self._params]
+            fresh = [torch.zeros_like(p.to_local()) if g is None else g.to_local()
+                     for p, g in zip(self._params, grads)]  # fmt: skip
+            slab = self._slabs.get(0) or self._new_slab(0, fresh)
+            if self._flat is None:
+                dtype = torch.promote_types(fresh[0].dtype, fresh[-1].dtype)
+                self._flat = FlatVector(slab.layout, dtype, fresh[0].device)
+            flat = self._flat
+            torch._foreach_copy_(flat.views, fresh)
+            output = FlatOutput(flat.data)
+            job = Job(slab, 0, flat.data, output, [])
+            record.ran.append(job)
+            steps = slab.engine.run(self.step, flat.data, output,
+                                    scale=scaler_scale(self.grad_scaler))  # fmt: skip
+            record.reports.append((job, run_blocking(steps, self._collectives)))
+            torch._foreach_copy_(fresh, flat.views)
+            for param, grad, local in zip(self._params, grads, fresh):
+                if grad is None:
+                    param.grad = DTensor.from_local(local, param.device_mesh, param.placements,
+                                                    shape=param.shape, stride=param.stride(),
+                                                    run_check=False)  # fmt: skip
 
     def _abandon(self, record: PassRecord) -> None:
         """A module's step failed: the pass's sparsifiers as before it, the step not counted."""
@@ -226,24 +304,29 @@ class ShardedState:
             job.slab.engine.rollback()
         self._record = None
 
-    def _new_slab(self, number: int, shard: torch.Tensor) -> Slab:
+    def _new_slab(self, number: int, shards: list[torch.Tensor]) -> Slab:
+        """The slab of FSDP module ``number``'s shard, or (``one_exchange``) of every
+        parameter's."""
+        what = "the model's gradient shards" if self.one_exchange else f"FSDP module {number}"
         saved = None if self._restored is None else self._restored.get(number)
         if self._restored is not None and saved is None:
             raise ValueError(
-                f"load_state_dict: the checkpoint has no residual for FSDP module {number}; "
+                f"load_state_dict: the checkpoint has no residual for {what}; "
                 "restore into the same model, sharded the same way"
             )
         offset = self._offset if saved is None else int(saved["offset"])
-        # A stand-in of the shard's shape: the slab must not keep FSDP's gradient alive.
-        like = torch.empty((), dtype=shard.dtype, device=shard.device).expand(shard.shape)
-        slab = Slab([like], [number], self.sparse_options, offset, self.rank, self.world_size)
-        self._offset = max(self._offset, offset + shard.numel())
+        # Stand-ins of the shards' shapes: the slab must not keep FSDP's gradients alive.
+        likes = [torch.empty((), dtype=s.dtype, device=s.device).expand(s.shape) for s in shards]
+        indices = range(len(shards)) if self.one_exchange else [number]
+        slab = Slab(likes, indices, self.sparse_options, offset, self.rank, self.world_size)
+        numel = slab.layout.numel
+        self._offset = max(self._offset, offset + numel)
         self._offsets[number] = offset
         if saved is not None:
-            if int(saved["numel"]) != shard.numel():
+            if int(saved["numel"]) != numel:
                 raise ValueError(
-                    f"load_state_dict: FSDP module {number}'s shard has {shard.numel()} entries "
-                    f"here but {saved['numel']} in the checkpoint; restore on the same mesh shape"
+                    f"load_state_dict: {what} hold {numel} entries here but {saved['numel']} "
+                    "in the checkpoint; restore on the same mesh shape"
                 )
             # e, then u (momentum correction) or m and v (Adam correction), as in _saved.
             for buffer, kept in zip(slab.feedback.buffers, _memory(saved)):
@@ -266,6 +349,7 @@ class ShardedState:
             **options.corrections(),
             **({"grad_scaler": True} if self.grad_scaler is not None else {}),
             "shard (this rank's place, shard size)": self._shard,
+            **({"one_exchange": True} if self.one_exchange else {}),
         }
 
     def fingerprint(self) -> int:
