@@ -28,6 +28,9 @@ def test_each_method_becomes_the_train_options_that_mean_it():
     assert train_arguments("micro@ddp(exchange=one)", config)[4:9] == [
         "--sparsifier", "micro", "--integration", "ddp", "--one-exchange",
     ]  # fmt: skip
+    assert train_arguments("micro@fsdp(exchange=one)", config)[4:9] == [
+        "--sparsifier", "micro", "--integration", "fsdp", "--one-exchange",
+    ]  # fmt: skip
     assert train_arguments("micro@ddp(min_speedup=1.1)", config)[4:10] == [
         "--sparsifier", "micro", "--integration", "ddp", "--min-speedup", "1.1",
     ]  # fmt: skip
@@ -60,6 +63,7 @@ def test_each_method_becomes_the_train_options_that_mean_it():
         ({"methods": ("dense", "fp16(density=0.1)")}, r"fp16 takes no option \['density'\]"),
         ({"methods": ("dense", "fp16@fsdp")}, "@fsdp follows a sparsifier"),
         ({"methods": ("dense", "micro@ddp@fsdp")}, "@fsdp follows a sparsifier"),
+        ({"methods": ("dense", "dense@fsdp(exchange=one)")}, "@fsdp follows a sparsifier"),
         ({"ranks_per_host": 0}, "ranks_per_host: must be at least 1"),
         ({"hosts": 1}, "hosts must be at least 2"),
         ({"target_fraction": 1.5}, "target_fraction"),

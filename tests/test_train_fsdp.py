@@ -40,10 +40,11 @@ def test_density_1_trains_exactly_as_fsdps_own_hybrid_sharding(tmp_path) -> None
     assert all(r["bytes_sent"] == r["dense_bytes"] for r in hsdp)
 
 
-def test_sparse_averaging_across_replicas_sends_the_density(tmp_path) -> None:
+@pytest.mark.parametrize("exchange", [(), ("--one-exchange",)], ids=["per module", "one"])
+def test_sparse_averaging_across_replicas_sends_the_density(exchange, tmp_path) -> None:
     out = tmp_path / "lm"
     result = run_cli(*FSDP_RUN, "--task", "lm", "--density", "0.01", "--max-steps", "4",
-                     "--model-option", "units=32", "--out", str(out))  # fmt: skip
+                     "--model-option", "units=32", "--out", str(out), *exchange)  # fmt: skip
     assert result.returncode == 0, result.stderr
     steps = records(out)
     assert [r["step"] for r in steps] == [0, 1, 2, 3]
@@ -52,6 +53,7 @@ def test_sparse_averaging_across_replicas_sends_the_density(tmp_path) -> None:
         assert record["bytes_sent"] < 0.05 * record["dense_bytes"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metric"] == "valid_perplexity" and summary["metrics"]["valid_perplexity"] > 1
+    assert summary["config"]["one_exchange"] == bool(exchange)
 
 
 def test_shards_that_do_not_divide_the_ranks_are_named(tmp_path) -> None:
@@ -68,7 +70,7 @@ def test_shards_that_do_not_divide_the_ranks_are_named(tmp_path) -> None:
     [
         (["--shards", "2"], "--shards"),  # an option of --integration fsdp
         (["--integration", "fsdp", "--ddp-hook", "fp16"], "--ddp-hook"),
-        (["--integration", "fsdp", "--one-exchange"], "--one-exchange"),
+        (["--integration", "fsdp", "--sparsifier", "dense", "--one-exchange"], "--one-exchange"),
     ],
 )
 def test_what_fsdp_training_does_not_take_is_refused_by_name(args, option, tmp_path) -> None:

@@ -29,7 +29,8 @@ A method name (``train --ddp-hook``, ``bench cluster``, ``bench accuracy``) is o
   steps sparse and dense and stays sparse only where its step is X times faster.
 - ``NAME@fsdp`` (``bench accuracy`` only): the model sharded by FSDP2 among the ranks of a
   host, the hosts averaging with ``microsparse.fsdp`` (``train --integration fsdp``);
-  ``dense@fsdp`` is FSDP2's own hybrid sharding.
+  ``dense@fsdp`` is FSDP2's own hybrid sharding; ``NAME@fsdp(exchange=one)`` averages the
+  whole model in one exchange a step, after backward (``one_exchange=True``).
 
 A sparsifier may carry its own density, ``micro(density=0.03)@ddp``, over the run's
 ``--density``: so one run (one dense target, the same links) compares densities side by side.
@@ -59,6 +60,9 @@ Example:
     True
     >>> parse_method("micro@ddp(min_speedup=1.1,exchange=one)").min_speedup
     1.1
+    >>> method = parse_method("micro@fsdp(exchange=one)")
+    >>> method.kind, method.one_exchange
+    ('sharded', True)
 
 A sparsifier *variant* (``bench select``, ``bench overhead``, ``simulate``) is a sparsifier
 name with options, ``name(key=value,...)``, or ``micro-reference``: MiCRO with the options
@@ -258,13 +262,19 @@ def parse_method(name: str) -> Method:
         return Method(name, "none")
     if name == DDP_FLOOR:
         return Method(name, "floor")
-    if name.endswith(SHARDED_SUFFIX):
-        method = parse_method(name[: -len(SHARDED_SUFFIX)])
-        if method.kind != "loop":
+    base, sharded, suffix = name.rpartition(SHARDED_SUFFIX)
+    if sharded:
+        method = parse_method(base)
+        one_exchange = suffix == "(exchange=one)"
+        if method.kind != "loop" or suffix not in ("", "(exchange=one)") or (
+            one_exchange and method.sparsifier == "dense"
+        ):
             raise ValueError(f"method {name!r}: {SHARDED_SUFFIX} follows a sparsifier: "
-                             f"micro{SHARDED_SUFFIX} (microsparse.fsdp across replicas), "
-                             f"dense{SHARDED_SUFFIX} (FSDP2's own hybrid sharding)")  # fmt: skip
-        return replace(method, name=name, kind="sharded")
+                             f"micro{SHARDED_SUFFIX} (microsparse.fsdp across replicas, one "
+                             f"exchange a module), micro{SHARDED_SUFFIX}(exchange=one) (one "
+                             f"exchange a step, after backward), dense{SHARDED_SUFFIX} "
+                             "(FSDP2's own hybrid sharding)")  # fmt: skip
+        return replace(method, name=name, kind="sharded", one_exchange=one_exchange)
     base, hooked, suffix = name.partition(HOOK_SUFFIX)
     one_bucket = one_exchange = False
     min_speedup = None

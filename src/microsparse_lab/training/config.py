@@ -248,9 +248,9 @@ class TrainConfig:
     one_exchange: bool = option(
         False,
         action="store_true",
-        help="with --integration ddp: average the whole model in one exchange after its last "
-        "DDP bucket, instead of one exchange per bucket (fewer collective rounds, no overlap "
-        "with backward)",
+        help="with --integration ddp or fsdp: average the whole model in one exchange after "
+        "backward, instead of one exchange per DDP bucket or FSDP module (fewer collective "
+        "rounds, no overlap with backward)",
     )
     min_speedup: float | None = option(
         type=arguments.positive_float,
@@ -383,7 +383,13 @@ def _check_integration(config: TrainConfig) -> None:
     only_the_hook = (
         "is an option of microsparse's DDP hook: add --integration ddp (and no --ddp-hook)"
     )
-    _require(not config.one_exchange or microsparse_hook, "one_exchange", only_the_hook)
+    sparse_fsdp = config.integration == "fsdp" and config.sparsifier != "dense"
+    _require(
+        not config.one_exchange or microsparse_hook or sparse_fsdp,
+        "one_exchange",
+        "is an option of microsparse's DDP hook (--integration ddp, no --ddp-hook) and of "
+        "its sparse FSDP averaging (--integration fsdp, a sparsifier other than dense)",
+    )
     if config.min_speedup is not None:
         _require(microsparse_hook, "min_speedup", only_the_hook)
         _require(_number(config.min_speedup, low=0, open_low=True), "min_speedup",
