@@ -242,6 +242,55 @@ def test_one_exchange_averages_the_whole_model_in_two_rounds_and_conserves(tmp_p
         assert result["rounds"] == {0: 3, **{step: 2 for step in range(1, STEPS)}}
 
 
+class WithUnused(nn.Module):
+    """The test's net, and a layer no forward pass uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.spare = net(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def unused_worker(rank: int, n: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = WithUnused()
+    for module in [*model.body, model.spare]:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], 0.05, one_exchange=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    replicate, identical = mesh.get_group("replicate"), []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        model(batch(step, rank)).pow(2).mean().backward()
+        optimizer.step()
+        params = torch.cat([p.to_local().reshape(-1) for p in model.parameters()])
+        rows = [torch.empty_like(params) for _ in range(2)]
+        dist.all_gather(rows, params, group=replicate)
+        identical.append(torch.equal(rows[0], rows[1]))
+    spare = [p.grad for p in model.spare.parameters()]
+    used = sum(p.to_local().numel() for p in model.body.parameters())
+    residual = state._slabs[0].feedback.residual
+    return {"spare grads": spare, "identical": identical, "step": state.step,
+            "spare residual": residual[used:].abs().sum().item(),
+            "used residual": residual[:used].abs().sum().item()}  # fmt: skip
+
+
+def test_one_exchange_leaves_an_unused_layer_as_fsdp_does(tmp_path) -> None:
+    """Its gradient stays None (so the optimiser skips it, as with FSDP alone), nothing of it
+    is proposed, and its residual stays empty."""
+    for result in run_ranks(unused_worker, 4, tmp_path):
+        assert result["spare grads"] == [None, None]
+        assert all(result["identical"]) and result["step"] == STEPS
+        assert result["spare residual"] == 0 and result["used residual"] > 0
+
+
 CORRECTIONS = [
     {"momentum_correction": 0.9},
     {"momentum_correction": 0.9, "momentum_nesterov": True, "density_warmup": (0.15, 2)},

@@ -80,7 +80,7 @@ def sparsify(
             compact wire) instead of two a module, so a few bytes of framing a step instead
             of a few a module, and k not split among modules; it gives up overlapping the
             exchange with the rest of backward and keeps one more buffer the size of the
-            rank's shard (the average, copied into the gradient shards). It averages FSDP's
+            rank's shard (the shards, copied into one flat gradient). It averages FSDP's
             gradient shards as the optimiser will see them: after FSDP's division and its
             cast to the parameters' dtype (a bf16 ``reduce_dtype`` is then averaged in
             float32).
@@ -272,8 +272,10 @@ class ShardedState:
         can then carry its guard in the index message, two rounds in all), averaged there in
         place, as a DDP bucket is, and copied back into the gradient shards FSDP set (new
         tensors every step, each a view of its module's reduce-scatter output). A parameter
-        without a gradient in this pass (unused) counts as zeros and gets the average as its
-        gradient.
+        without a gradient in this pass (unused: FSDP leaves its ``grad`` None) counts as
+        zeros, this rank proposes nothing there, and its ``grad`` stays None, as with FSDP
+        alone; such a step reads its guard on the host. (The replicas must agree on what is
+        unused, as hybrid sharding's all-reduce needs too.)
         """
         with torch.no_grad():
             grads = [p.grad for p in self._params]
@@ -281,22 +283,22 @@ class ShardedState:
                      for p, g in zip(self._params, grads)]  # fmt: skip
             slab = self._slabs.get(0) or self._new_slab(0, fresh)
             if self._flat is None:
-                dtype = torch.promote_types(fresh[0].dtype, fresh[-1].dtype)
+                dtype = functools.reduce(torch.promote_types, [f.dtype for f in fresh])
                 self._flat = FlatVector(slab.layout, dtype, fresh[0].device)
             flat = self._flat
             torch._foreach_copy_(flat.views, fresh)
             output = FlatOutput(flat.data)
-            job = Job(slab, 0, flat.data, output, [])
+            layout = slab.layout
+            unused = [(offset, offset + size) for offset, size, grad in
+                      zip(layout.offsets, layout.sizes, grads) if grad is None]  # fmt: skip
+            job = Job(slab, 0, flat.data, output, [], unused)
             record.ran.append(job)
-            steps = slab.engine.run(self.step, flat.data, output,
+            steps = slab.engine.run(self.step, flat.data, output, unused,
                                     scale=scaler_scale(self.grad_scaler))  # fmt: skip
             record.reports.append((job, run_blocking(steps, self._collectives)))
-            torch._foreach_copy_(fresh, flat.views)
-            for param, grad, local in zip(self._params, grads, fresh):
-                if grad is None:
-                    param.grad = DTensor.from_local(local, param.device_mesh, param.placements,
-                                                    shape=param.shape, stride=param.stride(),
-                                                    run_check=False)  # fmt: skip
+            used = [(local, view) for local, view, grad in zip(fresh, flat.views, grads)
+                    if grad is not None]  # fmt: skip
+            torch._foreach_copy_([local for local, _ in used], [view for _, view in used])
 
     def _abandon(self, record: PassRecord) -> None:
         """A module's step failed: the pass's sparsifiers as before it, the step not counted."""
