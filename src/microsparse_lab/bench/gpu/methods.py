@@ -8,6 +8,7 @@ what to run between ``backward()`` and ``optimizer.step()``, and the density it 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,11 +130,11 @@ def _hybrid(model: nn.Module, device: torch.device) -> Averaging:
     return Averaging(model)
 
 
-def _sparse_fsdp(model: nn.Module, device: torch.device) -> Averaging:
+def _sparse_fsdp(model: nn.Module, device: torch.device, **options: Any) -> Averaging:
     """FSDP2 over the shard dimension, ``microsparse.fsdp`` across the replicate dimension."""
     mesh = _mesh(device)
     fully_shard_blocks(model, mesh["shard"])
-    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=DENSITY)
+    state = microsparse.fsdp.sparsify(model, mesh["replicate"], density=DENSITY, **options)
     return Averaging(model, stats=lambda: state.last_step)
 
 
@@ -166,6 +167,8 @@ def methods(device: torch.device) -> list[Method]:
         # Sharded training before the rest, so that a run short of time still measures it.
         Method(HYBRID, _hybrid, baseline=HYBRID),
         Method("microsparse.fsdp micro", _sparse_fsdp, baseline=HYBRID),
+        Method("microsparse.fsdp micro, one_exchange",
+               functools.partial(_sparse_fsdp, one_exchange=True), baseline=HYBRID),
         # 8-bit values on a scale shared in the index message: 15 more small kernels a bucket.
         Method("micro_hook, int8 values", _hooked(
             lambda: ddp.MicroState(density=DENSITY, value_dtype=torch.int8), ddp.micro_hook)),
