@@ -256,6 +256,7 @@ class WithUnused(nn.Module):
 def unused_worker(rank: int, n: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = WithUnused()
+    model.body[0].bias.requires_grad_(False)  # frozen: not averaged, no room in the residual
     for module in [*model.body, model.spare]:
         if isinstance(module, nn.Linear):
             fully_shard(module, mesh=mesh["shard"])
@@ -275,20 +276,23 @@ def unused_worker(rank: int, n: int) -> dict:
         dist.all_gather(rows, params, group=replicate)
         identical.append(torch.equal(rows[0], rows[1]))
     spare = [p.grad for p in model.spare.parameters()]
-    used = sum(p.to_local().numel() for p in model.body.parameters())
+    used = sum(p.to_local().numel() for p in model.body.parameters() if p.requires_grad)
     residual = state._slabs[0].feedback.residual
+    trained = sum(p.to_local().numel() for p in model.parameters() if p.requires_grad)
     return {"spare grads": spare, "identical": identical, "step": state.step,
+            "residual size": (residual.numel(), trained),
             "spare residual": residual[used:].abs().sum().item(),
             "used residual": residual[:used].abs().sum().item()}  # fmt: skip
 
 
 def test_one_exchange_leaves_an_unused_layer_as_fsdp_does(tmp_path) -> None:
     """Its gradient stays None (so the optimiser skips it, as with FSDP alone), nothing of it
-    is proposed, and its residual stays empty."""
+    is proposed, and its residual stays empty; a frozen parameter has no residual at all."""
     for result in run_ranks(unused_worker, 4, tmp_path):
         assert result["spare grads"] == [None, None]
         assert all(result["identical"]) and result["step"] == STEPS
         assert result["spare residual"] == 0 and result["used residual"] > 0
+        assert result["residual size"][0] == result["residual size"][1]
 
 
 CORRECTIONS = [

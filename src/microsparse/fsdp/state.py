@@ -155,7 +155,7 @@ class ShardedState:
         self._shard: tuple[int, int] = (0, 1)
         self._restored: dict[int, dict[str, Any]] | None = None
         self._params: list[nn.Parameter] = []
-        """The sharded parameters, in the model's order (``one_exchange``'s slab)."""
+        """The trained parameters, in the model's order (``one_exchange``'s slab)."""
         self._flat: FlatVector | None = None
         """``one_exchange``'s gradient, averaged in place: one buffer the size of the shard."""
 
@@ -191,14 +191,15 @@ class ShardedState:
             raise ValueError(f"model: its FSDP modules use {len(meshes)} meshes; use one")
         shard = meshes.pop()
         self._shard = (shard.get_local_rank(), shard.size())
-        loose = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        loose = [name for name, p in trained if not isinstance(p, DTensor)]
         if loose:
             raise ValueError(
                 f"model: {len(loose)} of its parameters ({loose[0]}, ...) are not sharded by "
                 "FSDP2, so nothing would average their gradients; call "
                 "fully_shard(model, mesh=mesh['shard']) on the model itself too, after its blocks"
             )
-        self._params = list(model.parameters())
+        self._params = [p for _, p in trained]
         force_sum = dist.get_backend(shard.get_group()) == "gloo"  # gloo has no ReduceOp.AVG
         for number, unit in enumerate(units):
             if force_sum:
