@@ -280,26 +280,27 @@ class ShardedState:
         """
         with torch.no_grad():
             grads = [p.grad for p in self._params]
-            fresh = [torch.zeros_like(p.to_local()) if g is None else g.to_local()
-                     for p, g in zip(self._params, grads)]  # fmt: skip
-            slab = self._slabs.get(0) or self._new_slab(0, fresh)
+            slab = self._slabs.get(0) or self._new_slab(0, [p.to_local() for p in self._params])
             if self._flat is None:
-                dtype = functools.reduce(torch.promote_types, [f.dtype for f in fresh])
-                self._flat = FlatVector(slab.layout, dtype, fresh[0].device)
-            flat = self._flat
-            torch._foreach_copy_(flat.views, fresh)
+                dtype = functools.reduce(torch.promote_types, [p.dtype for p in self._params])
+                self._flat = FlatVector(slab.layout, dtype, slab.feedback.residual.device)
+            flat, layout = self._flat, slab.layout
+            present = [(view, grad.to_local()) for view, grad in zip(flat.views, grads)
+                       if grad is not None]  # fmt: skip
+            views, shards = [view for view, _ in present], [shard for _, shard in present]
+            torch._foreach_copy_(views, shards)
+            unused = []
+            for view, offset, size, grad in zip(flat.views, layout.offsets, layout.sizes, grads):
+                if grad is None:
+                    view.zero_()
+                    unused.append((offset, offset + size))
             output = FlatOutput(flat.data)
-            layout = slab.layout
-            unused = [(offset, offset + size) for offset, size, grad in
-                      zip(layout.offsets, layout.sizes, grads) if grad is None]  # fmt: skip
             job = Job(slab, 0, flat.data, output, [], unused)
             record.ran.append(job)
             steps = slab.engine.run(self.step, flat.data, output, unused,
                                     scale=scaler_scale(self.grad_scaler))  # fmt: skip
             record.reports.append((job, run_blocking(steps, self._collectives)))
-            used = [(local, view) for local, view, grad in zip(fresh, flat.views, grads)
-                    if grad is not None]  # fmt: skip
-            torch._foreach_copy_([local for local, _ in used], [view for _, view in used])
+            torch._foreach_copy_(shards, views)
 
     def _abandon(self, record: PassRecord) -> None:
         """A module's step failed: the pass's sparsifiers as before it, the step not counted."""
