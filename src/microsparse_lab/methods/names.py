@@ -208,6 +208,8 @@ DDP_FLOOR = "none@ddp"
 PEERS = ("ddp", "fp16", "bf16", "powersgd")
 HOOK_SUFFIX = "@ddp"
 SHARDED_SUFFIX = "@fsdp"
+ONE_EXCHANGE = "(exchange=one)"
+"""What follows ``@fsdp`` for ``one_exchange=True``."""
 DDP_KINDS = ("hook", "peer", "floor")
 """The kinds of method that train through DistributedDataParallel."""
 
@@ -265,8 +267,8 @@ def parse_method(name: str) -> Method:
     base, sharded, suffix = name.rpartition(SHARDED_SUFFIX)
     if sharded:
         method = parse_method(base)
-        one_exchange = suffix == "(exchange=one)"
-        if method.kind != "loop" or suffix not in ("", "(exchange=one)") or (
+        one_exchange = suffix == ONE_EXCHANGE
+        if method.kind != "loop" or suffix not in ("", ONE_EXCHANGE) or (
             one_exchange and method.sparsifier == "dense"
         ):
             raise ValueError(f"method {name!r}: {SHARDED_SUFFIX} follows a sparsifier: "

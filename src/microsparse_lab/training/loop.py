@@ -201,10 +201,8 @@ class Averaging:
         elif config.integration == "fsdp":
             mesh = mesh_of(config.shards, next(model.parameters()).device)
             self.mesh = mesh_shape(mesh)
-            if config.one_exchange:
-                options["one_exchange"] = True
             averaging = sharded(model, mesh, config.sparsifier, density=config.density,
-                                **options)  # fmt: skip
+                                one_exchange=config.one_exchange, **options)  # fmt: skip
             if isinstance(averaging, HybridSharding):
                 self._peer = averaging
             else:
