@@ -544,4 +544,4 @@ def test_hookstep_prints_its_help():
     assert result.returncode == 0, result.stderr
     usage = " ".join(result.stdout.split("\n\n")[0].split())
     assert usage == ("usage: python -m microsparse_lab.bench.hookstep [-h] [--bucket-cap-mb MB] "
-                     "[--width WIDTH] [--layers LAYERS] [ranks] [steps]")
+                     "[--width WIDTH] [--layers LAYERS] [--rows ROWS] [ranks] [steps]")

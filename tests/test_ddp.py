@@ -335,6 +335,58 @@ def test_every_pass_conserves_and_micro_selects_k_across_the_rebuild(
 
 
 # ---------------------------------------------------------------------------------------------
+# The hook's own thread: the slabs' steps start there, and nothing else changes.
+
+OWN_THREAD = [
+    ("micro", {}),
+    ("micro", {"wire": "plain"}),
+    ("micro", {"value_dtype": torch.int8}),
+    ("micro", {"selection": "threshold", "momentum_correction": 0.9}),
+    ("topk", {}),
+    ("cltk", {}),
+    ("micro", {"one_exchange": True}),
+]  # fmt: skip
+
+
+def own_thread_worker(rank: int, n: int, steps: int) -> list[bool]:
+    """The same training with and without ``own_thread``, side by side over DDP's many
+    buckets (each bucket's step started on the hook's thread), compared bit for bit."""
+    results = []
+    for name, options in OWN_THREAD:
+        models = [mlp(), mlp()]
+        states = [mddp.SparseState(name, 0.05, own_thread=own, **options) for own in (False, True)]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+        ddps = [DDP(m, bucket_cap_mb=0.001) for m in models]
+        for ddp, state in zip(ddps, states):
+            ddp.register_comm_hook(state, mddp.sparse_hook)
+        for step in range(steps):
+            for ddp, optimizer in zip(ddps, optimizers):
+                optimizer.zero_grad()
+                ddp(batch(step, rank)).pow(2).mean().backward()
+                optimizer.step()
+        inline, threaded = (list(m.parameters()) for m in models)
+        starters = [state._binding.starter._thread for state in states]
+        results.append(
+            all(torch.equal(a, b) for a, b in zip(inline, threaded))
+            and all(torch.equal(states[0].residual(a), states[1].residual(b))
+                    for a, b in zip(inline, threaded))  # fmt: skip
+            and states[0].last_step.selected == states[1].last_step.selected
+            and (states[1].last_step.extra["slabs"] > 1) != bool(options.get("one_exchange"))
+            and starters[0] is None  # on the CPU the default starts steps on autograd's thread
+            and starters[1] is not None and starters[1].is_alive()
+        )
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_own_thread_trains_the_same_bit_for_bit(n: int, tmp_path) -> None:
+    for rank_result in run_ranks(own_thread_worker, n, tmp_path, 5):
+        assert dict(zip(map(str, OWN_THREAD), rank_result)) == dict.fromkeys(
+            map(str, OWN_THREAD), True
+        )
+
+
+# ---------------------------------------------------------------------------------------------
 # Checkpoints, pickling, dtypes, unused parameters, errors.
 
 
@@ -560,10 +612,10 @@ def test_unused_parameters_keep_their_residual_instead_of_losing_it(
         assert torch.equal(a, b)
 
 
-def nonfinite_worker(rank: int, n: int, nonfinite: str) -> dict:
+def nonfinite_worker(rank: int, n: int, nonfinite: str, own_thread: bool = False) -> dict:
     model = mlp()
     ddp = DDP(model, bucket_cap_mb=0.001)  # several slabs
-    state = mddp.MicroState(density=0.1, nonfinite=nonfinite)
+    state = mddp.MicroState(density=0.1, nonfinite=nonfinite, own_thread=own_thread)
     ddp.register_comm_hook(state, mddp.micro_hook)
     outcomes, residuals, grads, skipped = [], [], [], []
     for step in range(4):
@@ -601,10 +653,16 @@ def test_a_nonfinite_gradient_skips_the_pass_on_every_rank_and_keeps_every_resid
     assert torch.equal(ranks[0]["grads"][2].isnan(), ranks[1]["grads"][2].isnan())
 
 
-def test_nonfinite_raise_raises_itself_on_every_rank_after_ddp_finished(tmp_path) -> None:
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_nonfinite_raise_raises_itself_on_every_rank_after_ddp_finished(
+    own_thread: bool, tmp_path
+) -> None:
     """With nonfinite="raise" the error is the library's own, on every rank, in the same pass,
-    with every residual as before; DDP has finished that pass, so the next backward runs."""
-    for rank, result in enumerate(run_ranks(nonfinite_worker, 2, tmp_path, "raise")):
+    with every residual as before; DDP has finished that pass, so the next backward runs. The
+    same where the steps start on the hook's own thread (the error raised there reaches
+    ``backward()``)."""
+    ranks = run_ranks(nonfinite_worker, 2, tmp_path, "raise", own_thread)
+    for rank, result in enumerate(ranks):
         outcomes = result["outcomes"]
         assert outcomes[:2] == ["ok", "ok"] and outcomes[3] == "ok", outcomes
         assert outcomes[2].startswith("step 2: NaN or Inf gradient "), outcomes[2]
@@ -623,6 +681,7 @@ def test_bad_options_name_the_argument() -> None:
         {"threshold_rule": "x"},
         {"value_dtype": torch.float64},
         {"one_exchange": "yes"},
+        {"own_thread": 1},
     ):
         with pytest.raises((ValueError, TypeError)) as error:
             mddp.SparseState(**kwargs)
@@ -634,4 +693,5 @@ def test_bad_options_name_the_argument() -> None:
         "threshold_rule",
         "value_dtype",
         "one_exchange",
+        "own_thread",
     ]

@@ -133,8 +133,8 @@ def test_micro_reducer_step_makes_no_sync(worker, tmp_path) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"wire": "compact"}, {"value_dtype": torch.int8}],
-    ids=["fixed", "compact", "int8"],
+    [{}, {"wire": "compact"}, {"value_dtype": torch.int8}, {"own_thread": True}],
+    ids=["fixed", "compact", "int8", "own-thread"],
 )
 def test_micro_hook_step_makes_no_sync(options, tmp_path) -> None:
     state = microsparse.ddp.MicroState(density=DENSITY, **(options or {}))

@@ -95,7 +95,7 @@ class SparseDDPStrategy:
             ``{"find_unused_parameters": True}``).
         **options: options of the sparsifier, e.g. ``threshold_rule="as_coded"``, and the
             state's ``budget``, ``momentum_correction``, ``momentum_nesterov``, ``adam_correction``,
-            ``density_warmup``, ``one_exchange`` and ``min_speedup``.
+            ``density_warmup``, ``one_exchange``, ``own_thread`` and ``min_speedup``.
 
     The hook state is ``strategy.hook_state`` once the trainer has set the strategy up.
     """

@@ -24,7 +24,8 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     1. the slabs that now have all their gradients start their step: add the gradients into
        the residuals of their parameters (error feedback) and select (MiCRO: each rank its
        share of k, inside the partition of the slab it owns this step);
-    2. their first collective round is issued at once, from the hook; every later round is
+    2. their first collective round is issued at once, from the hook (or, with the state's
+       ``own_thread``, from the hook's thread, in the same order); every later round is
        issued when the previous one completes, in slab order on every rank, each round on a
        process group of its own (MiCRO: one all-gather of indices, then one all-reduce of
        the values there);
@@ -68,11 +69,17 @@ def sparse_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fu
     future = _future_on(buffer)
     jobs, waiting_for, result = binding.slabs.arrive(bucket.parameters(), buffer, bucket.is_last())
     number = len(record.buckets)
-    record.buckets[number] = (future, result, waiting_for)
+    with record.lock:  # slabs' steps on other threads read it (_slab_done)
+        record.buckets[number] = (future, result, waiting_for)
     if not waiting_for:  # in no slab (a checkpoint of another model): reported at the end
         future.set_result(result)
+    own_thread = buffer.is_cuda if state.own_thread is None else state.own_thread
     for job in jobs:
-        _Chain(state, binding, record, job, record.slabs_started).start()
+        chain = _Chain(state, binding, record, job, record.slabs_started)
+        if own_thread:  # the same order of first rounds: one thread, in the order handed over
+            binding.starter.submit(chain.start)
+        else:
+            chain.start()
         record.slabs_started += 1
     if bucket.is_last():
         record.saw_last_bucket = True
@@ -139,7 +146,14 @@ class _Chain:
             record.ran.append(job)
 
     def start(self) -> None:
-        self._resume(-1, None)
+        """Run the step up to its first collective and issue it (from the hook, or on the
+        hook's own thread); an error fails the pass, raised after DDP's."""
+        with _on(self.stream):
+            try:
+                self._resume(-1, None)
+            except BaseException as error:  # noqa: BLE001 - issuing the round failed
+                self.record.fail(error)
+                self._end(0, None)
 
     def _resume(self, round_: int, result: torch.Tensor | None) -> None:
         following = round_ + 1

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from microsparse.comm import ProcessGroupCollectives, all_reduce_bytes
 from microsparse.comm.framing import Fixed
 from microsparse.ddp.choice import SpeedChoice, check_min_speedup
-from microsparse.ddp.ordering import OrderedLauncher
+from microsparse.ddp.ordering import OrderedLauncher, Starter
 from microsparse.ddp.slabs import RESTORE_AFTER_BACKWARD, Job, Slabs
 from microsparse.engine import StepReport
 from microsparse.engine.plan import step_collectives
@@ -75,6 +75,13 @@ class SparseState:
             overlapping the exchange with backward; k is then not split by bucket. Pays where
             rounds cost more than they overlap (latency, many buckets, few cores per rank).
             Dense averaging always follows DDP's buckets.
+        own_thread: start each slab's step (add the gradient in, select, issue the first
+            collective) on a thread of the hook's own instead of autograd's, which then goes
+            on computing the next buckets' gradients at once: on a GPU the step's host work
+            (its Python and kernel launches) then overlaps backward's instead of delaying it.
+            ``None`` (default): where the buckets are on a GPU. On the CPU the step's work is
+            the computation itself, which needs a core of its own to overlap (2 ranks on 2
+            cores: no gain). The results are the same, bit for bit, either way.
         min_speedup: compress only where it pays (``microsparse.ddp.choice``): after 8
             settling passes the hook times 6 sparse and 6 dense passes, alternating, and every
             rank then keeps sparse averaging only if the median training step is at least
@@ -110,6 +117,7 @@ class SparseState:
         adam_correction: tuple[float, float, float] | None = None,
         density_warmup: DensityWarmup | tuple[float, int] | None = None,
         one_exchange: bool = False,
+        own_thread: bool | None = None,
         min_speedup: float | None = None,
         **options: Any,
     ) -> None:
@@ -136,6 +144,9 @@ class SparseState:
         if not isinstance(one_exchange, bool):
             raise ValueError(f"one_exchange must be True or False; got {one_exchange!r}")
         self.one_exchange = one_exchange
+        if own_thread is not None and not isinstance(own_thread, bool):
+            raise ValueError(f"own_thread must be None, True or False; got {own_thread!r}")
+        self.own_thread = own_thread
         self.min_speedup = self._check_min_speedup(min_speedup)
         self.speed = None if self.min_speedup is None else SpeedChoice(self.min_speedup)
         """The timing and choice of ``min_speedup`` (None without it)."""
@@ -339,6 +350,7 @@ class SparseState:
                 **self.sparse_options.kwargs(),
                 "timeout": self.timeout,
                 "one_exchange": self.one_exchange,
+                "own_thread": self.own_thread,
                 "min_speedup": self.min_speedup,
             },
             "state": self.state_dict(),
@@ -390,6 +402,8 @@ class _Binding:
     launchers: list[OrderedLauncher]
     """Round r of every slab is issued in slab order (round 0 from the hook itself)."""
     slabs: Slabs
+    starter: Starter = field(default_factory=Starter)
+    """The thread that starts the slabs' steps, where the state's ``own_thread`` asks."""
     current: PassRecord | None = None
     agreed: bool = False
     """Every rank's options were found equal (at the first pass)."""

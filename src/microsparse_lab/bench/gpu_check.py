@@ -19,7 +19,8 @@ correctness check failed or a part crashed. The parts, in order:
    fp32, SGD; skipped without torchvision) and GPT-2 small (transformers', else a plain-torch
    decoder of its size; 8 × 512 tokens, bf16 autocast, AdamW) in DDP on NCCL at world size 1,
    averaged by stock DDP, torch's fp16 / bf16 compression and PowerSGD hooks, ``micro_hook``
-   (also with ``one_exchange``, and on DDP buckets of 100 MB instead of 25: fewer, larger
+   (its default, each bucket's step started on the hook's own thread; also on autograd's
+   thread, with ``one_exchange``, and on DDP buckets of 100 MB instead of 25: fewer, larger
    slabs), ``sparse_hook`` with top-k, and the loop API
    (``GradientReducer``) beside a loop that all-reduces every gradient. Per method: the
    median step time and its ratio to stock DDP (the loop API's to the all-reduce loop), host

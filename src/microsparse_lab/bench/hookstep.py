@@ -4,16 +4,18 @@ Times ``loss.backward()`` under DDP (where the hook runs) for stock DDP (a dense
 of the same gradient), DDP with a hook that sends nothing (``none@ddp``: DDP's own cost),
 MiCRO's hook on DDP's buckets and with ``one_exchange=True``, each also with DDP's
 ``gradient_as_bucket_view=True`` ("views": the gradients live in DDP's buckets, which saves
-DDP a copy of every gradient into its bucket and back): medians after 3 warm-up steps,
-interleaved step by step, as ratios to stock DDP in the same run. The model is
+DDP a copy of every gradient into its bucket and back), and with each bucket's step started
+on the hook's own thread (``own_thread=True``, the default on a GPU): medians after 3
+warm-up steps, interleaved step by step, as ratios to stock DDP in the same run. The model is
 6 × Linear(1365, 1365) (d = 11.2 M, ResNet-18's size; ``--layers``, ``--width``), 4 rows a
-step, gradients set to None
-after every step as an optimizer's ``zero_grad`` does, one thread a rank. ``--bucket-cap-mb``
-sets DDP's bucket size for every model: the hook's step has a fixed cost per bucket (its
-collective rounds one after another, its kernels), so the number of buckets matters.
+step (``--rows``), gradients set to None after every step as an optimizer's ``zero_grad``
+does, one thread a rank. ``--bucket-cap-mb`` sets DDP's bucket size for every model: the
+hook's step has a fixed cost per bucket (its collective rounds one after another, its
+kernels), so the number of buckets matters.
 
 Run: ``OMP_NUM_THREADS=1 python -m microsparse_lab.bench.hookstep [RANKS] [STEPS]
-[--bucket-cap-mb MB] [--width W] [--layers L]`` (default 2, 20, DDP's 25, 1365, 6).
+[--bucket-cap-mb MB] [--width W] [--layers L] [--rows R]`` (default 2, 20, DDP's 25, 1365,
+6, 4).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ CONFIGS: dict[str, tuple[object, bool]] = {  # name: (the hook's options, or Non
     "none@ddp, views": (FLOOR, True),
     "micro@ddp": ({}, False),
     "micro@ddp, views": ({}, True),
+    "micro@ddp, own thread": ({"own_thread": True}, False),
     "micro@ddp(exchange=one)": ({"one_exchange": True}, False),
     "micro@ddp(exchange=one), views": ({"one_exchange": True}, True),
 }
@@ -50,7 +53,7 @@ WARMUP = 3
 
 
 def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float, width: int,
-            layers: int) -> None:  # fmt: skip
+            layers: int, rows: int) -> None:  # fmt: skip
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
@@ -66,7 +69,7 @@ def _worker(rank: int, ranks: int, init: str, steps: int, bucket_cap_mb: float, 
         elif isinstance(options, dict):
             ddp.register_comm_hook(mddp.SparseState("micro", 0.001, **options), mddp.sparse_hook)
         models[name] = ddp
-    x = torch.randn(4, width)
+    x = torch.randn(rows, width)
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(WARMUP + steps):
         for name, model in models.items():
@@ -105,10 +108,13 @@ def main(argv: list[str]) -> None:
         help="the Linear layers' width (default: %(default)s)")  # fmt: skip
     add("--layers", type=arguments.positive_int, default=6,
         help="Linear layers (default: %(default)s; d = layers × width × (width + 1))")  # fmt: skip
+    add("--rows", type=arguments.positive_int, default=4,
+        help="rows of the batch, which set backward's work (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as directory:
         init = os.path.join(directory, "init")
-        spawned = (args.ranks, init, args.steps, args.bucket_cap_mb, args.width, args.layers)
+        spawned = (args.ranks, init, args.steps, args.bucket_cap_mb, args.width, args.layers,
+                   args.rows)  # fmt: skip
         mp.spawn(_worker, args=spawned, nprocs=args.ranks)
 
 

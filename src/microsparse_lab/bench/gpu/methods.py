@@ -159,6 +159,9 @@ def methods(device: torch.device) -> list[Method]:
     return [
         Method(STOCK, _stock),
         Method(MICRO, _hooked(lambda: ddp.MicroState(density=DENSITY), ddp.micro_hook)),
+        # The default on a GPU starts each bucket's step on the hook's own thread; here not.
+        Method("micro_hook, on autograd's thread", _hooked(
+            lambda: ddp.MicroState(density=DENSITY, own_thread=False), ddp.micro_hook)),
         Method("micro_hook one_exchange", _hooked(
             lambda: ddp.MicroState(density=DENSITY, one_exchange=True), ddp.micro_hook)),
         # Fewer, larger buckets: each bucket's step has a fixed cost (its rounds, its kernels).
