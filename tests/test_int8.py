@@ -117,6 +117,36 @@ def test_int8_values_share_one_scale_keep_the_rounding_and_conserve(scale, tmp_p
                     assert torch.equal(flat["average"], listed["average"])
 
 
+@pytest.mark.parametrize(
+    ("numel", "world_size", "density"),
+    [(600_000, 2, 0.001), (30_000, 3, 0.01), (8, 4, 0.9)],
+    ids=["by-blocks", "direct", "whole-partition"],
+)
+def test_the_scale_selection_found_is_the_largest_sent_bit_for_bit(
+    numel: int, world_size: int, density: float
+) -> None:
+    """An int8 step's scale comes from the magnitudes MiCRO's search kept (one reduction),
+    not from reading |e + g| again at its positions: both must agree to the last bit, in every
+    way the search can run, with and without a GradScaler's divisor."""
+    layout = Layout.of([("w", torch.zeros(numel))])
+    generator = torch.Generator().manual_seed(numel)
+    residual = torch.randn(numel, generator=generator)
+    gradient = torch.randn(numel, generator=generator) * 1e3
+    for rank in range(world_size):
+        for step, divisor in ((0, None), (1, torch.tensor([2.0**12 + 3]))):
+            micro = create_sparsifier("micro", density)
+            micro.bind(layout, rank, world_size)
+            positions = micro.select(residual, step, addend=gradient, divisor=divisor)
+            values = residual.index_select(0, positions)
+            more = gradient.index_select(0, positions)
+            exact = values.add(more) if divisor is None else values.addcdiv(more, divisor)
+            found = micro.largest_sent(positions)
+            assert found is not None and found.shape == (1,)
+            assert torch.equal(found, exact.abs().amax().view(1)), (rank, step)
+            assert micro.largest_sent(positions.clone()) is None  # other positions: not known
+    assert create_sparsifier("topk", 0.01).largest_sent(torch.arange(3)) is None
+
+
 def test_int8_is_refused_where_it_cannot_work() -> None:
     layout = Layout.of([("w", torch.zeros(1000))])
     feedback = ErrorFeedback(layout, torch.float32, torch.device("cpu"))

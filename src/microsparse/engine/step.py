@@ -528,11 +528,14 @@ class SparseStep:
             return None
         if local.numel() == 0:
             return torch.zeros(1, dtype=torch.float32, device=accumulated.device)
-        values = accumulated.index_select(0, local)
-        if addend is not None:
-            more = addend.index_select(0, local)
-            values = values.add_(more) if divisor is None else values.addcdiv_(more, divisor)
-        largest = values.abs_().amax().view(1).to(torch.float32)
+        largest = self.sparsifier.largest_sent(local)  # one kernel where selection found it
+        if largest is None:
+            values = accumulated.index_select(0, local)
+            if addend is not None:
+                more = addend.index_select(0, local)
+                values = values.add_(more) if divisor is None else values.addcdiv_(more, divisor)
+            largest = values.abs_().amax().view(1)
+        largest = largest.to(torch.float32)
         return largest if scale is None else largest.mul_(scale)
 
     def _values(

@@ -52,6 +52,8 @@ class Sparsifier(ABC):
       ``divisor`` None or a ``GradScaler``'s one-element scale). The engine then selects
       before it updates the residual, so that the guard's flags ride in the index message
       (one round less) and a step skipped after that round has changed nothing;
+    - *the largest |a| it sent, found while selecting*: :meth:`largest_sent` (the engine
+      then need not read it again for an 8-bit step's scale);
     - *reporting*: :meth:`report`, :attr:`threshold`, :meth:`partition`;
     - *benchmarks*: :meth:`settle` (start from a given threshold).
 
@@ -189,6 +191,12 @@ class Sparsifier(ABC):
     def adopt_plan(self, plan: torch.Tensor, step: int) -> list[int]:
         """Take the broadcast plan; return how many positions each rank will select."""
         raise NotImplementedError(f"{self.name} is not a planned sparsifier")
+
+    def largest_sent(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The largest |a| at ``positions``, if they are what :meth:`select` just returned
+        and it found that magnitude on the way (one element, on the device); None: the engine
+        reads |a| there itself. It must be that value bit for bit."""
+        return None
 
     def report(self) -> dict[str, Any]:
         """Sparsifier-specific values of the step just selected, for ``StepStats.extra``."""

@@ -66,6 +66,12 @@ class LargestFinder:
         taken = self._taken
         return lambda: taken if isinstance(taken, float) else taken.amin().item()
 
+    def largest_taken(self) -> torch.Tensor | None:
+        """The largest magnitude the last call took, a one-element tensor (None if it took
+        none): from the values the search kept anyway, one small reduction."""
+        taken = self._taken
+        return taken.amax().view(1) if isinstance(taken, torch.Tensor) and taken.numel() else None
+
     def largest(self, magnitude: torch.Tensor, quota: int) -> torch.Tensor:
         """Indices of the ``quota`` largest entries of ``magnitude`` (ties: any of them;
         NaN counts as the largest)."""

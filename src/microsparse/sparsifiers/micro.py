@@ -298,6 +298,14 @@ class Micro(Sparsifier):
             chosen = torch.tensor([step % size], device=accumulated.device)
         return self._partitions.positions(part, chosen)
 
+    def largest_sent(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """With quotas: the largest of the magnitudes the search took (|a| as the engine
+        computes it, rounded alike), where ``positions`` is what :meth:`select` just returned."""
+        chosen = self._chosen
+        if chosen is None or chosen[0] is not positions:
+            return None
+        return self._finder.largest_taken()
+
     def _owned_magnitudes(
         self,
         accumulated: torch.Tensor,
