@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from microsparse.sparsifiers.base import Candidates
 from microsparse.sparsifiers.largest import LargestFinder, top_indices
@@ -37,6 +38,45 @@ def test_largest_finder_is_exact_topk(quota: int) -> None:
         taken[found] = True
         assert bool((values[taken] >= kth).all()) and bool((values[~taken] <= kth).all()), name
         assert finder.smallest_taken().item() == kth.item(), name
+
+
+class FreshBytes(TorchDispatchMode):
+    """Bytes of the new tensors the operators make (outputs that share no input's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        given = {t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
+                 if isinstance(t, torch.Tensor)}  # fmt: skip
+        out = func(*args, **kwargs)
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            fresh = isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr()
+            if fresh and fresh not in given:
+                self.bytes += tensor.untyped_storage().nbytes()
+        return out
+
+
+def test_largest_finder_keeps_its_candidates_from_step_to_step() -> None:
+    """A slab's rotating partitions differ in size and its quotas by one: every call stays
+    exact, and once each shape was seen a call makes O(quota) bytes of new tensors, not the
+    32 candidates a block (positions and values) nor anything of the vector's size."""
+    generator = torch.Generator().manual_seed(3)
+    vectors = [torch.randn(size, generator=generator).abs_() for size in (300_017, 300_016)]
+    finder, shapes = LargestFinder(), [(0, 1000), (1, 1001), (0, 1001), (1, 1000)]
+    for round_ in range(3):
+        for which, quota in shapes:
+            values = vectors[which]
+            counter = FreshBytes()
+            with counter:
+                found = finder.largest(values, quota)
+            kth = torch.topk(values, quota).values[-1]
+            assert found.unique().numel() == quota and bool((values[found] >= kth).all())
+            if round_:  # steady: a few tensors of quota entries (the two top-q's, the blocks'
+                # first positions, the answer), not the candidates' 32 · quota (12 bytes each)
+                assert counter.bytes <= 64 * quota, (which, quota, counter.bytes)
 
 
 @pytest.mark.parametrize("quota", [1, 5, 64, 999, 1000])

@@ -54,6 +54,7 @@ class LargestFinder:
     def __init__(self) -> None:
         self._candidates = Candidates()
         self._taken: torch.Tensor | float = math.nan
+        self._kept: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def smallest_taken(self) -> torch.Tensor | float:
         """The smallest magnitude the last call took (its threshold), NaN before any: a 0-d
@@ -87,12 +88,31 @@ class LargestFinder:
         blocks, _ = top_indices(maxima, quota)
         # Block (c, l) holds entries c·chunk + l + j·lanes, j < depth.
         first = torch.div(blocks, lanes, rounding_mode="floor").mul_(chunk).add_(blocks % lanes)
-        entries = first.unsqueeze(1).add(_arange(depth, magnitude.device).mul(lanes)).view(-1)
-        covered = maxima.numel() // lanes * chunk
-        if covered < size:  # past the last full chunk: always candidates
-            entries = torch.cat([entries, _arange(size - covered, magnitude.device).add(covered)])
-        chosen, self._taken = top_indices(magnitude.index_select(0, entries), quota)
+        entries, values = self._buffers(magnitude, quota, maxima.numel() // lanes * chunk)
+        blocked = entries[: quota * depth].view(quota, depth)
+        torch.add(first.unsqueeze(1), _arange(depth, magnitude.device), alpha=lanes, out=blocked)
+        chosen, self._taken = top_indices(torch.index_select(magnitude, 0, entries, out=values),
+                                          quota)  # fmt: skip
         return entries.index_select(0, chosen)
+
+    def _buffers(
+        self, magnitude: torch.Tensor, quota: int, covered: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The candidates' positions and values, kept from step to step: ``depth`` entries
+        for each of ``quota`` blocks, then every entry past the last full chunk (``covered``
+        on), always a candidate, written once. A slab's rotating partitions and quotas take
+        a few sizes, each kept (O(k) memory)."""
+        key = (magnitude.numel(), quota, magnitude.device, magnitude.dtype)
+        found = self._kept.get(key)
+        if found is None:
+            if len(self._kept) >= 8:
+                self._kept.clear()
+            size, device, blocked = magnitude.numel(), magnitude.device, quota * Candidates.DEPTH
+            entries = torch.empty(blocked + size - covered, dtype=torch.long, device=device)
+            torch.arange(covered, size, out=entries[blocked:])
+            values = torch.empty(entries.numel(), dtype=magnitude.dtype, device=device)
+            found = self._kept[key] = (entries, values)
+        return found
 
 
 _aranges: dict[tuple[int, torch.device], torch.Tensor] = {}
