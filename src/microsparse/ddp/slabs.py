@@ -32,6 +32,7 @@ import torch
 
 from microsparse.comm.framing import Dense
 from microsparse.engine import FlatOutput, SparseOutput, SparseStep
+from microsparse.engine.output import as_dtype
 from microsparse.feedback import ErrorFeedback
 from microsparse.layout import Layout
 from microsparse.options import SparseOptions
@@ -148,7 +149,7 @@ class PiecesOutput:
             flat = view.view(-1)
             flat.zero_()
             local, inside = _within(positions, offset, size)
-            flat.index_add_(0, local, values.where(inside, 0).to(flat.dtype))
+            flat.index_add_(0, local, as_dtype(values.where(inside, 0), flat.dtype))
 
     def poison(self) -> None:
         for view in self._views:

@@ -453,9 +453,10 @@ class SparseStep:
         """The values every rank sent, summed over ranks and divided by n, in ``dtype``
         (integers first multiplied by their ``shared`` scale)."""
         summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
-        averaged = summed.to(dtype) if self.value_dtype else summed
-        if shared is not None:
-            averaged.mul_(shared.to(dtype))
+        if shared is not None:  # integers times their scale, in dtype: one kernel
+            averaged = torch.mul(summed, shared if shared.dtype == dtype else shared.to(dtype))
+        else:
+            averaged = summed.to(dtype) if self.value_dtype else summed
         averaged.div_(self.world_size)
         if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
             averaged.masked_fill_(skipped, math.nan)
@@ -535,7 +536,8 @@ class SparseStep:
                 more = addend.index_select(0, local)
                 values = values.add_(more) if divisor is None else values.addcdiv_(more, divisor)
             largest = values.abs_().amax().view(1)
-        largest = largest.to(torch.float32)
+        if largest.dtype != torch.float32:  # no operator at all where it is float32 already
+            largest = largest.to(torch.float32)
         return largest if scale is None else largest.mul_(scale)
 
     def _values(
