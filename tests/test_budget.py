@@ -12,7 +12,7 @@ import torch
 
 from distributed import run_ranks
 from microsparse import GradientReducer, SparseOptions
-from microsparse.ddp import SparseState
+from microsparse.ddp import SparseState, sparse_hook
 from microsparse.layout import Layout
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 from microsparse_lab.bench.accuracy import AccuracyConfig, train_arguments
@@ -34,7 +34,8 @@ WIRES = [
     ({"wire": "plain"}, torch.bfloat16, 6),
     ({"wire": "plain"}, torch.float16, 6),
     ({"index_message": "padded"}, None, 8),  # the plain wire, MiCRO's default for it
-    ({}, None, 4),  # MiCRO's default, the compact wire: 16-bit offset, bfloat16 value
+    ({}, None, 3),  # MiCRO's default, the compact wire: 16-bit offset, int8 value (≤ 16 ranks)
+    ({"wire": "compact"}, torch.bfloat16, 4),
     ({"wire": "compact"}, torch.float16, 4),
     ({"wire": "compact_positions"}, None, 6),  # 16-bit offset, float32 value
     ({"wire": "compact_positions"}, torch.bfloat16, 4),
@@ -56,12 +57,37 @@ def test_the_density_is_the_budget_over_the_bytes_of_an_entry(case: tuple) -> No
 
 
 def test_given_neither_the_default_budget_buys_the_density() -> None:
-    # 0.2 % of dense's bytes: 0.002 of the entries on MiCRO's compact wire, 0.001 on the plain
-    assert SparseOptions().density == 0.002 and SparseOptions().budget is None
+    # 0.2 % of dense's bytes: 0.00267 of the entries on MiCRO's compact wire (int8 values up
+    # to 16 ranks), 0.001 on the plain
+    assert SparseOptions().density == 0.002 * 4 / 3 and SparseOptions().budget is None
     assert SparseOptions("micro", options={"wire": "plain"}).density == 0.001
     assert SparseOptions("topk").density == SparseOptions("cltk").density == 0.001
     assert SparseOptions("micro", 0.01).density == 0.01
-    assert GradientReducer(torch.nn.Linear(50, 4).parameters()).sparsifier.density == 0.002
+    assert GradientReducer(torch.nn.Linear(50, 4).parameters()).sparsifier.density == 0.002 * 4 / 3
+
+
+def test_beyond_16_ranks_a_budget_buys_bfloat16_values_at_their_price() -> None:
+    """8-bit sums leave each of n ranks 127 // n levels: beyond 16 ranks MiCRO's compact wire
+    sends bfloat16 values, and a budget (or the default one) buys the density of 4 bytes an
+    entry there, so that the bytes stay the budget's; a density given stays as given."""
+    for budget in (None, BUDGET):
+        options = SparseOptions("micro", budget=budget)
+        assert options.for_ranks(16) is options and options.density == BUDGET * 4 / 3
+        wide = options.for_ranks(17)
+        assert wide.density == BUDGET and wide.budget == budget and wide.value_dtype is None
+    given = SparseOptions("micro", 0.001)
+    assert given.for_ranks(64) is given
+    named = SparseOptions("micro", budget=BUDGET, value_dtype=torch.bfloat16)
+    assert named.for_ranks(64) is named and named.density == BUDGET
+    layout = Layout.of([("w", torch.zeros(10_000))])
+    for world_size, values in ((16, torch.int8), (17, torch.bfloat16)):
+        micro = create_sparsifier("micro", 0.01)
+        micro.bind(layout, rank=0, world_size=world_size)
+        assert micro.framing().value_dtype == values
+        assert micro.entry_bytes(world_size=world_size) == (3 if values == torch.int8 else 4)
+    config = TrainConfig()
+    assert config.resolved(17).density == BUDGET and config.resolved(16).density == BUDGET * 4 / 3
+    assert TrainConfig(integration="fsdp", shards=2).resolved(34 // 2).density == BUDGET
 
 
 @pytest.mark.parametrize("name", [n for n in available_sparsifiers() if n != "micro"])
@@ -114,9 +140,39 @@ def test_the_bytes_each_step_sends_are_the_budget_on_every_wire(tmp_path) -> Non
         assert step["budget_used"] == step["payload_bytes"] / (4 * NUMEL)
         assert step["budget_used"] == pytest.approx(BUDGET, rel=TOLERANCE), case
         assert 0 < step["bytes_sent"] < step["payload_bytes"], case  # a ring sends a share
-    plain, compact = ranks[0][0], ranks[0][4]
-    # the compact wire buys twice the entries of the plain one for the same bytes
+    plain, compact, int8 = ranks[0][0], ranks[0][5], ranks[0][4]
+    # the compact wire buys twice the entries of the plain one for the same bytes, with
+    # 8-bit values (its default on these 2 ranks) 8/3 times
     assert abs(compact["selected"] - 2 * plain["selected"]) <= 1  # each floor(k)
+    assert abs(3 * int8["selected"] - 8 * plain["selected"]) <= 8
+
+
+def _wide_world(rank: int, world_size: int) -> dict:
+    """One backward pass of each integration, left to the defaults, on ``world_size`` ranks."""
+    numel = 40_000
+    model = torch.nn.Linear(numel // 8, 8, bias=False)
+    state = SparseState()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(state, sparse_hook)
+    unbound = state.density
+    ddp(torch.ones(2, numel // 8)).sum().backward()
+    reducer = GradientReducer(torch.nn.Linear(numel // 8, 8, bias=False).parameters())
+    for param in reducer._params:
+        param.grad = torch.ones_like(param)
+    looped = reducer.synchronize()
+    return {"unbound": unbound, "bound": state.density, "hook": state.last_step,
+            "loop": looped, "levels": reducer._engine.levels}
+
+
+def test_on_17_ranks_the_default_buys_bfloat16_values_in_every_integration(tmp_path) -> None:
+    """The hook binds to its process group at the first backward pass, the loop API when
+    built: both price the default budget for 17 ranks, beyond int8's 16 (bfloat16 values,
+    δ = 0.002), where a state not yet bound shows the density of a small world."""
+    for got in run_ranks(_wide_world, 17, tmp_path):
+        assert got["unbound"] == BUDGET * 4 / 3 and got["bound"] == BUDGET
+        assert got["levels"] == 0  # no 8-bit values
+        for stats in (got["hook"], got["loop"]):
+            assert stats.target == math.floor(BUDGET * 40_000)
 
 
 def test_density_and_budget_are_exclusive_in_every_integration() -> None:
@@ -146,9 +202,11 @@ def test_bad_budgets_are_refused_by_name(budget: object, error: type, message: s
 
 
 def test_a_budget_too_large_for_a_compact_wire_names_its_own_limit() -> None:
+    with pytest.raises(ValueError, match=r"sends 3 bytes an entry.*up to 0.75\b.*density=1"):
+        SparseOptions("micro", budget=1.0, options={"wire": "compact"})  # int8 values
+    assert SparseOptions("micro", budget=0.75, options={"wire": "compact"}).averages_densely
     with pytest.raises(ValueError, match=r"sends 4 bytes an entry.*up to 1\b.*density=1"):
-        SparseOptions("micro", budget=1.5, options={"wire": "compact"})
-    assert SparseOptions("micro", budget=1.0, options={"wire": "compact"}).averages_densely
+        SparseOptions("micro", budget=1.5, value_dtype=torch.bfloat16)
 
 
 def test_the_budget_round_trips_and_tells_its_options_apart() -> None:
@@ -176,7 +234,7 @@ def test_a_train_config_resolves_its_budget_once_and_refuses_both() -> None:
     config = TrainConfig(budget=BUDGET, value_dtype="bfloat16", wire="plain").resolved()
     assert config.budget == BUDGET and config.density == pytest.approx(BUDGET * 4 / 6)
     assert config.resolved() == config  # a resumed run's config holds both
-    assert TrainConfig().resolved().density == 0.002  # the default budget, compact wire
+    assert TrainConfig().resolved().density == 0.002 * 4 / 3  # the default budget, int8 values
     assert TrainConfig(wire="plain").resolved().density == 0.001
     with pytest.raises(ConfigError, match="not both") as raised:
         TrainConfig(density=0.01, budget=BUDGET).resolved()
@@ -202,11 +260,12 @@ def test_train_with_a_budget_sends_that_share_of_dense_bytes(integration: str, t
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     config = json.loads((out / "summary.json").read_text())["config"]
-    assert config["budget"] == budget and config["density"] == budget  # 4 bytes an entry
+    density = budget * 4 / 3  # 3 bytes an entry: int8 values on 2 ranks
+    assert config["budget"] == budget and config["density"] == pytest.approx(density)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records:
-        assert record["target"] == math.floor(budget * record["numel"])
+        assert record["target"] == math.floor(config["density"] * record["numel"])
         assert record["budget_used"] == pytest.approx(budget, rel=0.05)
 
 

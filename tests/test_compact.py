@@ -199,7 +199,7 @@ def test_float32_values_average_as_the_plain_message(
 
 def test_bfloat16_values_keep_each_ranks_rounding_and_conserve(tmp_path) -> None:
     numel = 200_000
-    ranks = launch(tmp_path, numel, 0.01, {"wire": "compact"})
+    ranks = launch(tmp_path, numel, 0.01, {"wire": "compact", "value_dtype": torch.bfloat16})
     assert ranks[0]["value_dtype"] == torch.bfloat16
     for t in range(STEPS):
         got = [rank["steps"][t] for rank in ranks]
@@ -253,9 +253,11 @@ def test_picks_all_in_one_chunk(density: float, chunk: int, tmp_path) -> None:
                     assert bool(((sent // span) == chunk).all()) and sent.numel() == 1_500
 
 
-def test_reported_bytes_are_the_bytes_gathered(tmp_path) -> None:
+@pytest.mark.parametrize("values", [torch.int8, torch.bfloat16], ids=["default", "bfloat16"])
+def test_reported_bytes_are_the_bytes_gathered(values: torch.dtype, tmp_path) -> None:
     numel, n = 400_003, 3
-    ranks = launch(tmp_path, numel, 0.001, {"wire": "compact"}, world=n)
+    options = {"wire": "compact"} if values == torch.int8 else {"value_dtype": values}
+    ranks = launch(tmp_path, numel, 0.001, options, world=n)
     for rank in ranks:
         for seen in rank["steps"]:
             # Not a step's: the reducer's one check, at its first step, that all ranks have the
@@ -265,9 +267,9 @@ def test_reported_bytes_are_the_bytes_gathered(tmp_path) -> None:
             ring = {"all_gather": all_gather_bytes, "all_reduce": all_reduce_bytes}
             assert stats.bytes_sent == sum(ring[kind](size, n) for kind, size, _ in calls)
             modelled = step_collectives(Compact, slots=rank["slots"], values=stats.selected,
-                                        value_bytes=2)  # fmt: skip
+                                        value_bytes=values.itemsize)  # fmt: skip
             assert [(kind, size) for kind, size, _ in calls] == modelled
-            assert calls[-1][2] == torch.bfloat16
+            assert calls[-1][2] == values
 
 
 def test_combinations_that_cannot_work_are_refused() -> None:
@@ -293,7 +295,7 @@ def test_the_compact_wire_is_the_default_where_the_options_can_carry_it() -> Non
     micro = create_sparsifier("micro", 0.01)
     micro.bind(layout_of(10_000), 0, 2)
     assert micro.wire == "compact" and isinstance(micro.framing(), Compact)
-    assert micro.framing().value_dtype == torch.bfloat16 and micro.entry_bytes() == 4
+    assert micro.framing().value_dtype == torch.int8 and micro.entry_bytes() == 3
     # a shared threshold, or the reference's padded message: the plain wire, without asking
     assert create_sparsifier("micro", 0.01, selection="threshold").wire == "plain"
     assert create_sparsifier("micro", 0.01, index_message="padded").wire == "plain"

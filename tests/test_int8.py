@@ -170,9 +170,10 @@ def test_int8_is_refused_where_it_cannot_work() -> None:
 
 
 def test_a_budget_buys_a_third_more_entries_on_int8_values() -> None:
-    bfloat16 = SparseOptions("micro", budget=0.002)
+    bfloat16 = SparseOptions("micro", budget=0.002, value_dtype=torch.bfloat16)
     int8 = SparseOptions("micro", budget=0.002, value_dtype=torch.int8)
     assert bfloat16.density == 0.002 and int8.density == pytest.approx(0.002 * 4 / 3)
+    assert SparseOptions("micro", budget=0.002).density == int8.density  # the default here
     assert SparseOptions.from_dict(int8.to_dict()) == int8
 
 

@@ -36,13 +36,14 @@ def test_density_not_a_number(density: object) -> None:
 
 def test_no_density_means_the_default_budget_not_an_error() -> None:
     # None is "not given": the default budget (0.2 % of dense's bytes) buys the density on the
-    # sparsifier's wire, MiCRO's compact one (4 bytes an entry) or the plain one (8)
+    # sparsifier's wire, MiCRO's compact one (3 bytes an entry with 8-bit values, on up to 16
+    # ranks) or the plain one (8)
     assert DEFAULT_BUDGET == 0.002
-    assert GradientReducer(linear(), "micro", None).sparse_options.density == 0.002
-    assert GradientReducer(linear(), "micro").sparse_options.density == 0.002
+    assert GradientReducer(linear(), "micro", None).sparse_options.density == 0.002 * 4 / 3
+    assert GradientReducer(linear(), "micro").sparse_options.density == 0.002 * 4 / 3
     assert GradientReducer(linear(), "topk").sparse_options.density == 0.001
     assert GradientReducer(linear(), "micro", wire="plain").sparse_options.density == 0.001
-    assert GradientReducer(linear(), "micro", budget=0.002).sparse_options.density == 0.002
+    assert GradientReducer(linear(), "micro", budget=0.003).sparse_options.density == 0.004
 
 
 def test_unknown_sparsifier_lists_the_choices() -> None:

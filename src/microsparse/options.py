@@ -17,7 +17,10 @@ budget becomes a density through the bytes one entry costs on the chosen wire
 entry, e.g. budget 0.002 is density 0.001 on the plain wire (an int32 index and a float32
 value) and 0.002 on MiCRO's compact wire (a 16-bit offset and a bfloat16 value, its default).
 Given neither, a run spends :data:`DEFAULT_BUDGET` (0.2 % of dense's bytes): MiCRO sends
-0.2 % of the entries on its compact wire, the baselines 0.1 % on the plain one.
+0.27 % of the entries on its compact wire with 8-bit values (3 bytes an entry, up to
+:data:`~microsparse.sparsifiers.micro.INT8_RANKS` = 16 ranks), 0.2 % with bfloat16 values
+beyond, the baselines 0.1 % on the plain wire. What an entry costs can depend on the number
+of ranks, so each integration prices a budget again for its own (:meth:`SparseOptions.for_ranks`).
 
 At density 1 every sparsifier averages densely (one all-reduce, as DDP does), so the options
 that need a residual (momentum and Adam correction, a density warm-up) are refused there.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -44,7 +47,8 @@ __all__ = ["DEFAULT_BUDGET", "DENSE_ENTRY_BYTES", "SparseOptions", "validate_bud
 VALUE_DTYPES = (None, torch.float16, torch.bfloat16, torch.int8)
 DEFAULT_BUDGET = 0.002
 """The fraction of dense averaging's bytes sent where neither density nor budget is given:
-density 0.001 at 8 bytes an entry (the plain wire), 0.002 at 4 (MiCRO's compact wire)."""
+density 0.001 at 8 bytes an entry (the plain wire), 0.00267 at 3 (MiCRO's compact wire with
+8-bit values, up to 16 ranks), 0.002 at 4 (with bfloat16 values, beyond)."""
 DENSE_ENTRY_BYTES = 4
 """Bytes dense averaging sends per gradient entry (float32): what a budget is a fraction of."""
 
@@ -81,12 +85,14 @@ class SparseOptions:
         (0.9, False)
         >>> SparseOptions.from_dict(options.to_dict()) == options
         True
-        >>> SparseOptions("micro", budget=0.002).density   # the compact wire: 4 bytes an entry
+        >>> round(SparseOptions("micro", budget=0.002).density, 6)  # compact, int8: 3 bytes
+        0.002667
+        >>> SparseOptions("micro", budget=0.002).for_ranks(64).density  # bfloat16 beyond 16
         0.002
         >>> SparseOptions("micro", budget=0.002, options={"wire": "plain"}).density  # int32 + fp32
         0.001
-        >>> SparseOptions("topk").density, SparseOptions("micro").density   # DEFAULT_BUDGET
-        (0.001, 0.002)
+        >>> SparseOptions("topk").density   # DEFAULT_BUDGET on the plain wire
+        0.001
         >>> SparseOptions("micro", 1.0, momentum_correction=0.9)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -108,6 +114,9 @@ class SparseOptions:
     budget: float | None = None
     """The fraction of dense averaging's bytes to send, instead of ``density``."""
     owner: InitVar[tuple[str, list[str]] | None] = None
+    ranks: InitVar[int | None] = None
+    """The number of ranks that average, where known: what an entry costs, and so the
+    density a budget buys, can depend on it (:meth:`for_ranks`)."""
 
     DTYPES: ClassVar[dict[str, torch.dtype | None]] = {
         str(dtype): dtype for dtype in VALUE_DTYPES
@@ -130,7 +139,7 @@ class SparseOptions:
                              f"got {name!r}")  # fmt: skip
         return getattr(torch, name)
 
-    def __post_init__(self, owner: tuple[str, list[str]] | None) -> None:
+    def __post_init__(self, owner: tuple[str, list[str]] | None, ranks: int | None) -> None:
         if self.value_dtype not in VALUE_DTYPES:
             raise ValueError(
                 "value_dtype must be None, torch.float16, torch.bfloat16 or torch.int8; "
@@ -138,7 +147,8 @@ class SparseOptions:
             )
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
-        density, sparsifier = self._resolved_density(owner)
+        object.__setattr__(self, "_bought", self.density is None or self.budget is not None)
+        density, sparsifier = self._resolved_density(owner, ranks)
         if self.value_dtype == torch.int8:
             _check_int8_wire(sparsifier, self.sparsifier)
         momentum = check_momentum(self.momentum_correction)
@@ -150,7 +160,9 @@ class SparseOptions:
                   options=dict(self.options))  # fmt: skip
         self._check_corrections()
 
-    def _resolved_density(self, owner: tuple[str, list[str]] | None) -> tuple[float, Sparsifier]:
+    def _resolved_density(
+        self, owner: tuple[str, list[str]] | None, ranks: int | None
+    ) -> tuple[float, Sparsifier]:
         """``density``, or the density ``budget`` buys on the sparsifier's wire, and a
         sparsifier of these options; the sparsifier's errors first, with the closest spelling
         of a misspelt keyword."""
@@ -166,7 +178,7 @@ class SparseOptions:
             )
         budget = DEFAULT_BUDGET if self.budget is None else validate_budget(self.budget)
         probe = create_sparsifier(self.sparsifier, 1.0, owner=owner, **self.options)
-        entry = probe.entry_bytes(self.value_dtype)
+        entry = probe.entry_bytes(self.value_dtype, ranks)
         density = budget * DENSE_ENTRY_BYTES / entry
         if density > 1.0:
             largest = entry / DENSE_ENTRY_BYTES
@@ -226,6 +238,23 @@ class SparseOptions:
     def momentum(self) -> tuple[float, bool]:
         """Momentum correction as (m, Nesterov); m = 0: off."""
         return self.momentum_correction, self.momentum_nesterov
+
+    def for_ranks(self, world_size: int) -> SparseOptions:
+        """These options as they run on ``world_size`` ranks: a density bought with a budget
+        is bought again at what an entry costs there (MiCRO's compact wire sends 8-bit
+        values up to 16 ranks, bfloat16 beyond); a density given stays.
+
+        Example:
+            >>> options = SparseOptions("micro")               # DEFAULT_BUDGET
+            >>> options.for_ranks(8) is options, options.for_ranks(32).density
+            (True, 0.002)
+        """
+        if not self._bought or self.averages_densely:
+            return self
+        probe = create_sparsifier(self.sparsifier, 1.0, **self.options)
+        if probe.entry_bytes(self.value_dtype, world_size) == probe.entry_bytes(self.value_dtype):
+            return self
+        return replace(self, density=None, ranks=world_size)
 
     def make_sparsifier(self) -> Sparsifier:
         """A fresh, unbound sparsifier (``dense`` where these options average densely)."""

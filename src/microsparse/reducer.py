@@ -77,7 +77,10 @@ class GradientReducer:
             the rounding of the sum itself is lost. float16 overflows above 65504: prefer
             bfloat16 unless gradients are known to be small. ``torch.int8`` (MiCRO's compact
             wire, up to 127 ranks): 8-bit integers on a scale every rank learns in the index
-            message, 127 // n levels a rank; a budget then buys a third more entries.
+            message, 127 // n levels a rank; a budget then buys a third more entries. None
+            (default): the wire's choice, on MiCRO's compact wire int8 up to 16 ranks and
+            bfloat16 beyond (``microsparse.sparsifiers.micro.INT8_RANKS``), elsewhere the
+            gradient's dtype.
         collectives: run the step's collectives on this object instead of a process group
             (anything with ``rank``, ``world_size`` and ``run(request)``, see
             :class:`microsparse.comm.Collectives`), e.g. an in-process group for benchmarks.
@@ -178,6 +181,7 @@ class GradientReducer:
         self._comm = collectives if collectives is not None else ProcessGroupCollectives(
             process_group
         )
+        opts = self.sparse_options = opts.for_ranks(self._comm.world_size)
         self.sparsifier = create_sparsifier(sparsifier, opts.density, **opts.options)
         self.sparsifier.bind(self.layout, self._comm.rank, self._comm.world_size)
         dtype = accumulator_dtype(p.dtype for p in self._params)

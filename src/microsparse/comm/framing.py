@@ -427,6 +427,8 @@ class Compact(Framing):
     carries_scale = True
     position_bytes = 2  # a 16-bit offset inside its chunk
     GUARD_WORDS = 2
+    SCALE_SLOTS = 2
+    """The 16-bit slots of the 32-bit word that carries an 8-bit step's scale."""
 
     def __init__(
         self, ranges: OwnedRanges, capacity: int, value_dtype: torch.dtype | None = torch.bfloat16

@@ -47,7 +47,10 @@ class SparseState:
             costs on the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         process_group: the group DDP averages over (``None``: the default group).
         value_dtype: send the selected values as ``torch.float16`` or ``torch.bfloat16``, or
-            as ``torch.int8`` on MiCRO's compact wire (see :class:`microsparse.GradientReducer`).
+            as ``torch.int8`` on MiCRO's compact wire; None (default): the wire's choice,
+            there int8 up to 16 ranks (see :class:`microsparse.GradientReducer`). Where that
+            choice changes what an entry costs, a budget is priced for the ranks of the
+            process group at the first backward pass (:attr:`density` then tells).
         nonfinite: what a NaN or Inf in any rank's gradient does, as in
             :class:`microsparse.GradientReducer`. ``"skip"`` (default): the pass changes no
             residual, and the buckets hold NaN where they would hold the average (a
@@ -186,7 +189,10 @@ class SparseState:
 
     @property
     def density(self) -> float:
-        return self.sparse_options.density
+        """The density sent: once bound, what the options buy on this many ranks
+        (:meth:`SparseOptions.for_ranks`)."""
+        binding = self._binding
+        return (self.sparse_options if binding is None else binding.slabs.options).density
 
     @property
     def options(self) -> dict[str, Any]:
@@ -212,9 +218,9 @@ class SparseState:
         rank, world_size = dist.get_rank(group), len(ranks)
         if self._pending is not None:
             _check_saved_by(self._pending, rank, world_size)
-        probe = self.sparse_options.make_sparsifier()
+        options = self.sparse_options.for_ranks(world_size)
+        probe = options.make_sparsifier()
         probe.bind(_probe_layout(), rank, world_size)
-        options = self.sparse_options
         rounds = _rounds(probe, warmup=options.density_warmup is not None)
         wait = None if self.timeout is None else timedelta(seconds=self.timeout)
         groups = [dist.new_group(ranks, timeout=wait) for _ in range(rounds)]
@@ -268,7 +274,7 @@ class SparseState:
     def _config(self) -> dict[str, Any]:
         config = {
             "sparsifier": self.sparsifier,
-            "density": self.density,
+            "density": self.sparse_options.density,
             "options": sorted(self.options.items()),
             "value_dtype": str(self.sparse_options.value_dtype),
             "transactional": self.sparse_options.nonfinite == "raise",

@@ -37,7 +37,8 @@ def step_collectives(
     all-reduced vector before selection, if any; ``planned``: a leader broadcasts a plan of
     ``plan_bytes`` (which also fixes every rank's count); ``overflow_slots``: a fixed
     message's slots beyond its base during a density warm-up (a second all-gather, even when
-    empty: its round is always taken).
+    empty: its round is always taken). With 8-bit values (``value_bytes`` 1) a framing that
+    carries their scale has room for it in each rank's index message.
 
     Example:
         >>> from microsparse.comm.framing import Padded
@@ -49,6 +50,8 @@ def step_collectives(
         steps.append(("all_reduce", agreement_bytes))
     if planned:
         steps.append(("broadcast", plan_bytes))
+    if value_bytes == 1 and framing.carries_scale:  # 8-bit values: each rank's scale, a word
+        slots += framing.SCALE_SLOTS  # type: ignore[union-attr]
     steps += framing.collectives(slots, index_bytes, planned)
     if overflow_slots:
         steps.append(("all_gather", overflow_slots * index_bytes))

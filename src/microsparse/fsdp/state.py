@@ -60,7 +60,8 @@ def sparsify(
             the sparsifier's wire (see :class:`microsparse.SparseOptions`).
         sparsifier: a name from :func:`microsparse.available_sparsifiers` (default MiCRO).
         value_dtype: send the selected values as ``torch.float16``, ``torch.bfloat16`` or
-            (MiCRO's compact wire) ``torch.int8``; the rounding stays in the residual.
+            (MiCRO's compact wire) ``torch.int8``; the rounding stays in the residual. None
+            (default): the wire's choice, on MiCRO's compact wire int8 up to 16 replicas.
         nonfinite: ``"skip"`` (default): a NaN or Inf in any replica's shard changes none of
             that module's residuals and writes NaN into its gradient shard; ``"raise"``: every
             rank raises ``NonFiniteGradientError`` from ``backward()``.
@@ -131,16 +132,16 @@ class ShardedState:
         grad_scaler: Any = None,
         one_exchange: bool = False,
     ) -> None:
-        self.sparse_options = options
-        """Every option of the sparse step, checked."""
-        self.one_exchange = one_exchange
-        """One exchange a step for the whole model, after backward (see :func:`sparsify`)."""
-        self.grad_scaler = grad_scaler
-        """The ``GradScaler`` whose scale the gradient shards carry, or None."""
         self.group = _replicate_group(replicate)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         """This rank's place and the number of replicas (the exchange's n)."""
+        self.sparse_options = options.for_ranks(self.world_size)
+        """Every option of the sparse step, checked, as it runs on this many replicas."""
+        self.one_exchange = one_exchange
+        """One exchange a step for the whole model, after backward (see :func:`sparsify`)."""
+        self.grad_scaler = grad_scaler
+        """The ``GradScaler`` whose scale the gradient shards carry, or None."""
         self.step = 0
         """Backward passes averaged (the rotation counter t)."""
         self.last_step: StepStats | None = None

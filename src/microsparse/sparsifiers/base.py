@@ -115,9 +115,12 @@ class Sparsifier(ABC):
     def framing(self) -> Framing:
         """How this sparsifier's index message travels (after :meth:`bind`)."""
 
-    def entry_bytes(self, value_dtype: torch.dtype | None = None) -> int:
-        """Nominal bytes of one entry this sparsifier sends, known from its options alone
-        (before :meth:`bind`): its framing's position and the value as ``value_dtype``
+    def entry_bytes(
+        self, value_dtype: torch.dtype | None = None, world_size: int | None = None
+    ) -> int:
+        """Nominal bytes of one entry this sparsifier sends, known from its options and the
+        number of ranks (None: not known yet) before :meth:`bind`: its framing's position
+        and the value as ``value_dtype``, or as the framing chooses on ``world_size`` ranks
         (:meth:`Framing.entry_bytes`). A byte budget divides by it.
 
         Example:

@@ -35,7 +35,7 @@ CASES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("dense", {}),
     ("micro", {}),
     ("micro", {"wire": "plain"}),
-    ("micro", {"value_dtype": torch.int8}),
+    ("micro", {"value_dtype": torch.bfloat16}),
     ("micro", {"selection": "threshold"}),
     ("micro", {"selection": "threshold", "threshold_rule": "as_coded",
                "partitioning": "contiguous", "index_message": "padded"}),

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -94,7 +94,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     or runs as one rank under torchrun. Tasks: {tasks}. Hyper-parameters left out come from the
     task's recipe (the paper's for real data)."""
     env = torchrun_env()
-    config, saved_workers = _config(args, parser)
+    given, saved_workers = _config(args, parser)
     workers = args.workers or saved_workers or DEFAULT_WORKERS
     if env is not None:
         if args.workers is not None and args.workers != env.world_size:
@@ -109,6 +109,10 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"resume with {saved_workers}"
         )
     local_workers = workers if env is None else env.local_world_size
+    try:  # what a budget buys can depend on the number of ranks that average
+        config = given.resolved(given.averaging_ranks(workers))
+    except ConfigError as error:
+        _config_error(error, args, parser)
     device = _resolve_device(args.device, local_workers, parser)
     config = replace(config, device=device)
     writes = env is None or env.rank == 0  # only rank 0 writes
@@ -138,7 +142,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _config(
     args: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> tuple[TrainConfig, int | None]:
-    """The resolved config, and the checkpoint's worker count when resuming."""
+    """The config (checked, not yet resolved for the number of workers), and the
+    checkpoint's worker count when resuming."""
     given = _given(args)
     try:
         if args.resume is not None:
@@ -151,8 +156,8 @@ def _config(
             except CheckpointError as error:
                 parser.error(f"argument --resume: {error}")
             if meta is not None:
-                config = resume_config(meta["config"], given, args.resume)
-                return config.resolved(), int(meta["world_size"])
+                # resolved (so checked) for its workers by the caller
+                return resume_config(meta["config"], given, args.resume), int(meta["world_size"])
             # The same command line serves the first start and every restart (torchrun
             # --max-restarts): with nothing to resume yet, the run starts in that directory.
             given["out"] = args.resume
@@ -167,11 +172,20 @@ def _config(
         values.setdefault("out", f"runs/{task}-{sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}")
         if values.get("capture_gradients"):
             values.setdefault("capture_steps", 1)
-        return TrainConfig(**values).resolved(), None
+        config = TrainConfig(**values)
+        config.resolved()  # checked here, resolved for its workers by the caller
+        return config, None
     except ConfigError as error:
-        if error.field != "config" and error.field in _from_file(args):
-            parser.error(f"argument --config: {args.config}: {error.message}")
-        parser.error(f"argument {flag(TrainConfig, error.field)}: {error.message}")
+        _config_error(error, args, parser)
+
+
+def _config_error(
+    error: ConfigError, args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> NoReturn:
+    """Exit, naming the flag (or the --config file) whose value cannot work."""
+    if error.field != "config" and error.field in _from_file(args):
+        parser.error(f"argument --config: {args.config}: {error.message}")
+    parser.error(f"argument {flag(TrainConfig, error.field)}: {error.message}")
 
 
 def _from_file(args: argparse.Namespace) -> set[str]:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -282,16 +283,18 @@ class TrainConfig:
         0, type=arguments.positive_int, help="(default: 1)"
     )
 
-    def _density(self) -> float:
+    def _density(self, ranks: int | None) -> float:
         """``density``, or the density ``budget`` (or, given neither, the default budget)
-        buys on this run's wire; the library's own checks of the options first."""
+        buys on this run's wire among ``ranks`` averaging ranks (None: not known yet); the
+        library's own checks of the options first."""
         given = self.density if self.budget is None else None
         # A value dtype that is no name of one, or given to a peer, is check()'s to name.
         named = self.value_dtype in VALUE_DTYPES and self.ddp_hook == "microsparse"
         dtype = SparseOptions.value_dtype_named(self.value_dtype) if named else None
         try:
             bought = SparseOptions(self.sparsifier, given, value_dtype=dtype, budget=self.budget,
-                                   options=self.sparsifier_options()).density  # fmt: skip
+                                   options=self.sparsifier_options(),
+                                   ranks=ranks).density  # fmt: skip
         except (TypeError, ValueError) as error:  # the budget's, or the options' own error
             message = str(error)
             field = ("value_dtype" if message.startswith("value_dtype")
@@ -308,6 +311,20 @@ class TrainConfig:
             )
         return bought
 
+    def averaging_ranks(self, world_size: int) -> int:
+        """The ranks among ``world_size`` that average gradients: every one, or with
+        ``--integration fsdp`` one a replica (``shards`` ranks each, by default torchrun's
+        LOCAL_WORLD_SIZE, else 1: the mesh ``training.sharding.mesh_of`` builds).
+
+        Example:
+            >>> TrainConfig(integration="fsdp", shards=4).averaging_ranks(32)
+            8
+        """
+        if self.integration != "fsdp":
+            return world_size
+        shards = self.shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return world_size // shards if world_size % shards == 0 else world_size
+
     def sparsifier_options(self) -> dict[str, Any]:
         given = {name: getattr(self, name) for name in SPARSIFIER_OPTIONS}
         return {key: value for key, value in given.items() if value is not None}
@@ -316,8 +333,10 @@ class TrainConfig:
     def checkpointing(self) -> bool:
         return self.checkpoint_every > 0 or self.checkpoint_per_epoch
 
-    def resolved(self) -> TrainConfig:
-        """This config with the task's model, options and recipe filled in, and checked.
+    def resolved(self, ranks: int | None = None) -> TrainConfig:
+        """This config with the task's model, options and recipe filled in, and checked;
+        the density a budget buys priced for ``ranks`` averaging ranks, where known (MiCRO's
+        values travel as int8 up to 16 ranks, bfloat16 beyond).
 
         Raises ConfigError naming the field (and the choices, for an unknown task, model or
         option).
@@ -352,7 +371,7 @@ class TrainConfig:
                 self, **filled))  # fmt: skip
         config = dataclasses.replace(
             self,
-            density=self._density(),
+            density=self._density(ranks),
             model=model,
             model_options=_options("model_options", task.model_options(model), self.model_options),
             task_options=_options("task_options", task.options, self.task_options),

@@ -50,9 +50,9 @@ def train(config: TrainConfig, local_rank: int = 0, data: Any = None) -> None:
         >>> train(TrainConfig(task="lm", max_steps=5, out="runs/smoke"))  # doctest: +SKIP
     """
     started = time.perf_counter()
-    config = config.resolved()
-    task = get_task(config.task)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    config = config.resolved(config.averaging_ranks(world_size))
+    task = get_task(config.task)
     device = torch.device("cuda", local_rank) if config.device == "cuda" else torch.device("cpu")
     if data is None:
         data = task.load(config.data_dir, config.task_options)
