@@ -75,6 +75,7 @@ def test_beyond_16_ranks_a_budget_buys_bfloat16_values_at_their_price() -> None:
         assert options.for_ranks(16) is options and options.density == BUDGET * 4 / 3
         wide = options.for_ranks(17)
         assert wide.density == BUDGET and wide.budget == budget and wide.value_dtype is None
+        assert wide.for_ranks(8) == options and wide.for_ranks(64) is wide  # priced anew
     given = SparseOptions("micro", 0.001)
     assert given.for_ranks(64) is given
     named = SparseOptions("micro", budget=BUDGET, value_dtype=torch.bfloat16)

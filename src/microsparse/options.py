@@ -15,7 +15,7 @@ entries, or ``budget``, the fraction of dense averaging's bytes (4 per entry, fl
 budget becomes a density through the bytes one entry costs on the chosen wire
 (:meth:`~microsparse.sparsifiers.Sparsifier.entry_bytes`): density = budget · 4 / bytes per
 entry, e.g. budget 0.002 is density 0.001 on the plain wire (an int32 index and a float32
-value) and 0.002 on MiCRO's compact wire (a 16-bit offset and a bfloat16 value, its default).
+value), 0.002 on MiCRO's compact wire with bfloat16 values (a 16-bit offset and 2 bytes).
 Given neither, a run spends :data:`DEFAULT_BUDGET` (0.2 % of dense's bytes): MiCRO sends
 0.27 % of the entries on its compact wire with 8-bit values (3 bytes an entry, up to
 :data:`~microsparse.sparsifiers.micro.INT8_RANKS` = 16 ranks), 0.2 % with bfloat16 values
@@ -147,7 +147,9 @@ class SparseOptions:
             )
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {self.nonfinite!r}")
+        # What for_ranks() needs: whether the density was bought, and for how many ranks.
         object.__setattr__(self, "_bought", self.density is None or self.budget is not None)
+        object.__setattr__(self, "_ranks", ranks)
         density, sparsifier = self._resolved_density(owner, ranks)
         if self.value_dtype == torch.int8:
             _check_int8_wire(sparsifier, self.sparsifier)
@@ -251,8 +253,8 @@ class SparseOptions:
         """
         if not self._bought or self.averages_densely:
             return self
-        probe = create_sparsifier(self.sparsifier, 1.0, **self.options)
-        if probe.entry_bytes(self.value_dtype, world_size) == probe.entry_bytes(self.value_dtype):
+        probe, dtype = create_sparsifier(self.sparsifier, 1.0, **self.options), self.value_dtype
+        if probe.entry_bytes(dtype, world_size) == probe.entry_bytes(dtype, self._ranks):
             return self
         return replace(self, density=None, ranks=world_size)
 
