@@ -142,8 +142,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _config(
     args: argparse.Namespace, parser: argparse.ArgumentParser
 ) -> tuple[TrainConfig, int | None]:
-    """The config (checked, not yet resolved for the number of workers), and the
-    checkpoint's worker count when resuming."""
+    """The config, not yet resolved (what a budget buys can depend on the number of
+    workers), and the checkpoint's worker count when resuming."""
     given = _given(args)
     try:
         if args.resume is not None:
@@ -172,9 +172,7 @@ def _config(
         values.setdefault("out", f"runs/{task}-{sparsifier}-{time.strftime('%Y%m%d-%H%M%S')}")
         if values.get("capture_gradients"):
             values.setdefault("capture_steps", 1)
-        config = TrainConfig(**values)
-        config.resolved()  # checked here, resolved for its workers by the caller
-        return config, None
+        return TrainConfig(**values), None  # resolved (so checked) for its workers by the caller
     except ConfigError as error:
         _config_error(error, args, parser)
 
