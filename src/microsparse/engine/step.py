@@ -212,7 +212,8 @@ class SparseStep:
         value_dtype: send the selected values as this dtype (``torch.float16``,
             ``torch.bfloat16``, or ``torch.int8`` on a framing that carries a scale: see
             :func:`quantise`); each rank's rounding error stays in its residual. None: the
-            framing's choice (``Compact``: bfloat16), else the gradient's dtype.
+            framing's choice (``Compact``: int8 up to 16 ranks, bfloat16 beyond), else the
+            gradient's dtype.
         schedule: k of each step (a density warm-up), if it is not the sparsifier's k.
         nonfinite: ``"skip"``: a step with a NaN or Inf on any rank changes nothing and
             writes NaN; ``"raise"``: every rank raises ``NonFiniteGradientError`` instead
@@ -254,7 +255,7 @@ class SparseStep:
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'skip' or 'raise'; got {nonfinite!r}")
         self.feedback = feedback
-        # A framing may ask for narrower values (Compact: bfloat16) where the user names none.
+        # A framing may ask for narrower values (Compact: int8 or bfloat16) where none is named.
         self.value_dtype = value_dtype if value_dtype is not None else self.framing.value_dtype
         self.nonfinite = nonfinite
         self.rank = sparsifier.rank

@@ -134,7 +134,8 @@ class TrainConfig:
     wire: str | None = option(  # None: the sparsifier's own default
         choices=(*WIRES, *TOPK_WIRES),
         help="MiCRO's wire: plain (4-byte indices), compact (16-bit offsets in chunks of the "
-        "owned partition and bfloat16 values: about 4 bytes an entry instead of 8) or "
+        "owned partition and 8-bit values up to 16 workers, bfloat16 beyond: about 3 or 4 "
+        "bytes an entry instead of 8) or "
         "compact_positions (compact offsets, values as --value-dtype) (default: compact; "
         "plain with a shared threshold or the padded message). Top-k's: union (the paper's, "
         "default) or fixed (n·k slots a step, nothing read back to the host)",
@@ -142,9 +143,9 @@ class TrainConfig:
     value_dtype: str | None = option(  # None: float32
         choices=VALUE_DTYPES,
         help="send the selected values in 16 bits (6 bytes an entry with a 4-byte index "
-        "instead of 8), or in 8 on MiCRO's compact wire (3 bytes an entry instead of its 4; "
-        "up to 127 ranks); what rounding takes stays in the residual (default: float32, or "
-        "the wire's: bfloat16 on the compact wire)",
+        "instead of 8), or in 8 on MiCRO's compact wire (3 bytes an entry instead of 4; up to "
+        "127 ranks); what rounding takes stays in the residual (default: float32, or the "
+        "wire's: on the compact wire int8 up to 16 ranks, bfloat16 beyond)",
     )
     momentum_correction: bool = option(
         False,

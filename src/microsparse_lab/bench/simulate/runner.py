@@ -138,6 +138,7 @@ def _simulate(
 
 def _value_bytes(config: SimulateConfig, cluster: VirtualCluster) -> int:
     """Bytes of one value on the wire: ``config.value_dtype``'s, unless the sparsifier's
-    framing sends its own (MiCRO's compact wire: bfloat16), as its engines then do."""
+    framing sends its own (MiCRO's compact wire: int8 up to 16 ranks, bfloat16 beyond), as
+    its engines then do."""
     wire = cluster.engines[0].value_dtype
     return VALUE_BYTES[config.value_dtype] if wire is None else wire.itemsize
