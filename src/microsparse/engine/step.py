@@ -70,6 +70,7 @@ import torch
 
 from microsparse.comm.collectives import Collective, Collectives, check_steps
 from microsparse.comm.framing import Dense, Exchanged, Fixed, FixedUnion, Proposal, Shared
+from microsparse.engine.output import as_dtype
 from microsparse.engine.timing import elapsed, mark
 from microsparse.errors import NonFiniteGradientError
 from microsparse.feedback import ErrorFeedback, Fresh, flag_nonfinite
@@ -455,9 +456,9 @@ class SparseStep:
         (integers first multiplied by their ``shared`` scale)."""
         summed = yield from clock.local(_single(Collective("all_reduce", values, "values")))
         if shared is not None:  # integers times their scale, in dtype: one kernel
-            averaged = torch.mul(summed, shared if shared.dtype == dtype else shared.to(dtype))
+            averaged = torch.mul(summed, as_dtype(shared, dtype))
         else:
-            averaged = summed.to(dtype) if self.value_dtype else summed
+            averaged = as_dtype(summed, dtype)
         averaged.div_(self.world_size)
         if skipped is not None:  # a skipped step averages to NaN, which a GradScaler skips
             averaged.masked_fill_(skipped, math.nan)
@@ -537,8 +538,7 @@ class SparseStep:
                 more = addend.index_select(0, local)
                 values = values.add_(more) if divisor is None else values.addcdiv_(more, divisor)
             largest = values.abs_().amax().view(1)
-        if largest.dtype != torch.float32:  # no operator at all where it is float32 already
-            largest = largest.to(torch.float32)
+        largest = as_dtype(largest, torch.float32)
         return largest if scale is None else largest.mul_(scale)
 
     def _values(
@@ -556,7 +556,7 @@ class SparseStep:
         values = accumulated.index_select(0, positions)  # also what a skipped step keeps
         sent_values = values if kept is None else values.masked_fill(kept, 0)
         if scale is not None:  # the residual is unscaled; the average is written scaled
-            sent_values = sent_values * scale.to(values.dtype)
+            sent_values = sent_values * as_dtype(scale, values.dtype)
         sent, wire, left = positions, sent_values, None
         if self.value_dtype is not None:
             # What rounding took from this rank's values stays behind in its residual.
@@ -566,7 +566,7 @@ class SparseStep:
                 wire = sent_values.to(self.value_dtype)
                 left = sent_values - wire
             if scale is not None:
-                left.div_(scale.to(left.dtype))
+                left.div_(as_dtype(scale, left.dtype))
         if kept is not None:
             keep = ~kept
             sent, values = positions[keep], values[keep]

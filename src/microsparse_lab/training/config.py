@@ -28,6 +28,12 @@ from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.training.tasks import Recipe, Task, available_tasks, get_task
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
+
+
+def shards_per_replica(shards: int | None) -> int:
+    """The ranks that shard one replica under ``--integration fsdp``: ``--shards``, else
+    torchrun's LOCAL_WORLD_SIZE (a machine's ranks), else 1."""
+    return shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 VALUE_DTYPES = SparseOptions.VALUE_DTYPE_NAMES
 """``value_dtype`` choices: torch dtypes that the sparse values may travel in."""
 RESUMABLE_CHANGES = (
@@ -323,7 +329,7 @@ class TrainConfig:
         """
         if self.integration != "fsdp":
             return world_size
-        shards = self.shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        shards = shards_per_replica(self.shards)
         return world_size // shards if world_size % shards == 0 else world_size
 
     def sparsifier_options(self) -> dict[str, Any]:

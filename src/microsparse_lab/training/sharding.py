@@ -9,8 +9,6 @@ sharded over the 2-D mesh instead: FSDP2's own hybrid sharding, what a user woul
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,12 +20,13 @@ from microsparse.comm import all_reduce_bytes
 from microsparse.engine import dense_stats
 from microsparse.fsdp import ShardedState
 from microsparse.stats import StepStats
+from microsparse_lab.training.config import shards_per_replica
 
 
 def mesh_of(shards: int | None, device: torch.device) -> DeviceMesh:
     """The (replicate, shard) mesh: ``shards`` ranks per replica (default: per machine)."""
     world = dist.get_world_size()
-    shards = shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shards = shards_per_replica(shards)
     if world % shards:
         raise ValueError(
             f"shards: {shards} ranks per replica do not divide the {world} ranks; pass "
