@@ -65,17 +65,13 @@ def sparsify(
         nonfinite: ``"skip"`` (default): a NaN or Inf in any replica's shard changes none of
             that module's residuals and writes NaN into its gradient shard; ``"raise"``: every
             rank raises ``NonFiniteGradientError`` from ``backward()``.
-        momentum_correction: momentum m of Deep Gradient Compression's momentum correction:
-            each rank keeps a velocity u ← m·u + g of its shard, the residual accumulates u
-            instead of g, and u is zeroed wherever a value was sent. The average then carries
-            the momentum, so step the optimiser *without* momentum. 0 (default): off.
-        momentum_nesterov: with ``momentum_correction``, accumulate g + m·u (Nesterov).
-        adam_correction: ``(beta1, beta2, eps)``: each rank keeps Adam's moments of its shard
-            and the residual accumulates its own Adam step instead of g, so step with plain
-            SGD at Adam's learning rate. Not with ``momentum_correction``.
-        density_warmup: ``(start, steps)``: send at density start · (density / start) **
-            (t / steps) at step t < steps, then at ``density`` (the modules' ks add up to the
-            model's at every step).
+        momentum_correction, momentum_nesterov, adam_correction, density_warmup: the
+            corrections of :class:`microsparse.GradientReducer`, kept per shard: with
+            momentum correction step the optimiser *without* momentum, with Adam correction
+            with plain SGD at Adam's learning rate (not both); the modules' ks of a warm-up
+            add up to the model's at every step.
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, as in
+            :class:`microsparse.ddp.SparseState`: the residuals hold unscaled gradients.
         one_exchange: one exchange a step for the whole model, after backward, instead of
             one per FSDP module inside FSDP's hook: two collective rounds a step (MiCRO's
             compact wire) instead of two a module, so a few bytes of framing a step instead
