@@ -86,9 +86,16 @@ def test_beyond_16_ranks_a_budget_buys_bfloat16_values_at_their_price() -> None:
         micro.bind(layout, rank=0, world_size=world_size)
         assert micro.framing().value_dtype == values
         assert micro.entry_bytes(world_size=world_size) == (3 if values == torch.int8 else 4)
+        assert micro.wire_values(world_size) == options.wire_value_dtype(world_size) == values
+    assert SparseOptions("micro", options={"wire": "plain"}).wire_value_dtype(4) is None
+    assert SparseOptions("micro", 1.0).wire_value_dtype(4) is None  # dense averaging
     config = TrainConfig()
     assert config.resolved(17).density == BUDGET and config.resolved(16).density == BUDGET * 4 / 3
     assert TrainConfig(integration="fsdp", shards=2).resolved(34 // 2).density == BUDGET
+    # a run's config names what the wire chose, where the ranks are known
+    assert [config.resolved(n).value_dtype for n in (None, 16, 17)] == [None, "int8", "bfloat16"]
+    assert TrainConfig(wire="plain").resolved(4).value_dtype is None
+    assert TrainConfig(integration="ddp", ddp_hook="fp16").resolved(4).value_dtype is None
 
 
 @pytest.mark.parametrize("name", [n for n in available_sparsifiers() if n != "micro"])

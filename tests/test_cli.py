@@ -80,6 +80,8 @@ def test_two_worker_run_writes_a_record_per_step_and_a_summary(integration, tmp_
     assert summary["config"]["world_size"] == 2 and summary["config"]["sparsifier"] == "micro"
     assert summary["config"]["integration"] == integration
     assert summary["config"]["one_exchange"] == bool(one_exchange)
+    # what the default wire sent, by name: a later default cannot change a resumed run
+    assert summary["config"]["value_dtype"] == "int8"
     assert 0 <= summary["test_accuracy"] <= 1
     assert 0 < summary["traffic_ratio"] < 1
     assert summary["final_loss"] == records[-1]["loss"]
@@ -416,6 +418,9 @@ def test_resume_refuses_other_worker_counts_and_changed_options(capsys, tmp_path
         ([str(tmp_path / "torn")], "meta.json cannot be read"),
         ([str(run), "--workers", "3"], "argument --workers: the checkpoint was written by 2"),
         ([str(run), "--lr", "0.1"], "argument --lr: cannot change when resuming"),
+        # an older checkpoint's default values: this version would send int8, maybe others
+        ([str(run)], f"argument --resume: {run} holds a checkpoint of a run that did not "
+                     "record the dtype its values travelled in"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(["train", "--resume", *args])

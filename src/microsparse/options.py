@@ -258,6 +258,18 @@ class SparseOptions:
             return self
         return replace(self, density=None, ranks=world_size)
 
+    def wire_value_dtype(self, world_size: int | None = None) -> torch.dtype | None:
+        """The dtype the values travel in on ``world_size`` ranks (None: not known yet):
+        ``value_dtype``, else the wire's choice; None where that is the gradient's own.
+
+        Example:
+            >>> [SparseOptions(name).wire_value_dtype(4) for name in ("micro", "topk")]
+            [torch.int8, None]
+        """
+        if self.value_dtype is not None or self.averages_densely:
+            return self.value_dtype
+        return create_sparsifier(self.sparsifier, 1.0, **self.options).wire_values(world_size)
+
     def make_sparsifier(self) -> Sparsifier:
         """A fresh, unbound sparsifier (``dense`` where these options average densely)."""
         if self.averages_densely:

@@ -128,7 +128,20 @@ class Sparsifier(ABC):
             >>> create_sparsifier("topk", 0.01).entry_bytes(torch.float16)
             6
         """
-        return self.framing_kind().entry_bytes(value_dtype)
+        chosen = self.wire_values(world_size) if value_dtype is None else value_dtype
+        return self.framing_kind().entry_bytes(chosen)
+
+    def wire_values(self, world_size: int | None = None) -> torch.dtype | None:
+        """The dtype this sparsifier's values travel in where the user names none, on
+        ``world_size`` ranks (None: not known yet): None, the gradient's own, unless its
+        wire chooses one (MiCRO's compact wire: int8 up to 16 ranks, bfloat16 beyond).
+
+        Example:
+            >>> from microsparse.sparsifiers import create_sparsifier
+            >>> create_sparsifier("topk", 0.01).wire_values(4) is None
+            True
+        """
+        return None
 
     def framing_kind(self) -> type[Framing]:
         """The class of :meth:`framing`, known from the options alone (before :meth:`bind`):

@@ -206,19 +206,19 @@ class Micro(Sparsifier):
             return Compact, compact_values(world_size) if self.wire == "compact" else None
         return (Fixed if self.index_message == "fixed" else Padded), None
 
-    def entry_bytes(
-        self, value_dtype: torch.dtype | None = None, world_size: int | None = None
-    ) -> int:
-        """As :meth:`Sparsifier.entry_bytes`, for the framing ``wire`` chooses.
+    def wire_values(self, world_size: int | None = None) -> torch.dtype | None:
+        """As :meth:`Sparsifier.wire_values`: on the compact wire int8 up to
+        :data:`INT8_RANKS` ranks, bfloat16 beyond; what an entry costs follows.
 
         Example:
+            >>> Micro(0.001).wire_values(4), Micro(0.001).wire_values(64)
+            (torch.int8, torch.bfloat16)
             >>> Micro(0.001).entry_bytes(), Micro(0.001).entry_bytes(world_size=64)
             (3, 4)
             >>> Micro(0.001, wire="plain").entry_bytes()
             8
         """
-        framing, values = self._wire_format(world_size)
-        return framing.entry_bytes(values if value_dtype is None else value_dtype)
+        return self._wire_format(world_size)[1]
 
     def framing_kind(self) -> type[Framing]:
         return self._wire_format()[0]

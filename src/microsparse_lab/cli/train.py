@@ -113,6 +113,14 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = given.resolved(given.averaging_ranks(workers))
     except ConfigError as error:
         _config_error(error, args, parser)
+    if given.resume and given.value_dtype is None and config.value_dtype is not None:
+        parser.error(
+            f"argument --resume: {args.resume} holds a checkpoint of a run that did not record "
+            f"the dtype its values travelled in (written before runs recorded it, when the "
+            f"default was another); this version would send {config.value_dtype}, and the run "
+            "would not continue as it began: start it afresh, or finish it with the version "
+            "that started it"
+        )
     device = _resolve_device(args.device, local_workers, parser)
     config = replace(config, device=device)
     writes = env is None or env.rank == 0  # only rank 0 writes

@@ -290,33 +290,38 @@ class TrainConfig:
         0, type=arguments.positive_int, help="(default: 1)"
     )
 
-    def _density(self, ranks: int | None) -> float:
+    def _priced(self, ranks: int | None) -> tuple[float, str | None]:
         """``density``, or the density ``budget`` (or, given neither, the default budget)
-        buys on this run's wire among ``ranks`` averaging ranks (None: not known yet); the
+        buys on this run's wire among ``ranks`` averaging ranks (None: not known yet); and
+        ``value_dtype``, or, where the ranks are known, the wire's choice for them by name
+        (so that a checkpoint records what was sent, whatever a later default); the
         library's own checks of the options first."""
         given = self.density if self.budget is None else None
         # A value dtype that is no name of one, or given to a peer, is check()'s to name.
         named = self.value_dtype in VALUE_DTYPES and self.ddp_hook == "microsparse"
         dtype = SparseOptions.value_dtype_named(self.value_dtype) if named else None
         try:
-            bought = SparseOptions(self.sparsifier, given, value_dtype=dtype, budget=self.budget,
-                                   options=self.sparsifier_options(),
-                                   ranks=ranks).density  # fmt: skip
+            options = SparseOptions(self.sparsifier, given, value_dtype=dtype, budget=self.budget,
+                                    options=self.sparsifier_options(), ranks=ranks)  # fmt: skip
         except (TypeError, ValueError) as error:  # the budget's, or the options' own error
             message = str(error)
             field = ("value_dtype" if message.startswith("value_dtype")
                      else "budget" if self.budget is not None else option_named_in(message))
             raise ConfigError(field, message) from None
+        values = self.value_dtype
+        if values is None and ranks is not None and self.ddp_hook == "microsparse":
+            chosen = options.wire_value_dtype(ranks)
+            values = None if chosen is None else str(chosen).removeprefix("torch.")
         if given is not None:
-            return given
+            return given, values
         # a resolved config (a resumed run's) holds the density its budget bought
-        if self.density is not None and self.density != bought:
+        if self.density is not None and self.density != options.density:
             raise ConfigError(
                 "budget",
                 f"give --density or --budget, not both (got density {self.density:g}, budget "
                 f"{self.budget:g}): the budget sets the density; leave --density out",
             )
-        return bought
+        return options.density, values
 
     def averaging_ranks(self, world_size: int) -> int:
         """The ranks among ``world_size`` that average gradients: every one, or with
@@ -376,9 +381,11 @@ class TrainConfig:
         if self.adam_correction is None:
             filled["adam_correction"] = _adam_correction_applies(dataclasses.replace(
                 self, **filled))  # fmt: skip
+        density, value_dtype = self._priced(ranks)
         config = dataclasses.replace(
             self,
-            density=self._density(ranks),
+            density=density,
+            value_dtype=value_dtype,
             model=model,
             model_options=_options("model_options", task.model_options(model), self.model_options),
             task_options=_options("task_options", task.options, self.task_options),
