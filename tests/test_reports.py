@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from microsparse.stats import StepStats
 from microsparse_lab.cli import main
 from microsparse_lab.reports import load_run, load_runs, results_table
 from microsparse_lab.reports import tensorboard as tensorboard_module
+from microsparse_lab.reports.seeds import load_study
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLOT_FILES = ["metric_vs_epoch", "metric_vs_time", "density_vs_step", "time_breakdown"]
@@ -281,6 +283,11 @@ def test_seed_study_pairs_the_seeds_and_reports_gaps_in_points_or_per_cent(tmp_p
     assert cells[5] == "0.825 (-2.5 pt; -5.0…+0.0)"  # paired by seed: −5 and 0 points
     assert cells[6] == "0.6375 (-6.2 pt; -7.5…-5.0)"
     assert (study / "quality.png").stat().st_size > 0
+    # the plot's second axis: the bytes a rank had sent by each epoch's end, over seeds
+    micro_variant = next(v for v in load_study(study) if v.name == "micro")
+    by_epoch = [8 * sum(selected[:STEPS_PER_EPOCH * e]) for e in (1, 2)]
+    assert [micro_variant.bytes_at(e) for e in (1, 2)] == by_epoch
+    assert math.isnan(micro_variant.bytes_at(3))
 
     lm = tmp_path / "lm"
     write_seed(lm / "dense" / "seed-1", "dense", "valid_perplexity", [200.0], 1)

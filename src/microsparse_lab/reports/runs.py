@@ -133,6 +133,17 @@ class Run:
             ends.append(elapsed[min(max(last, 0), len(elapsed) - 1)])
         return ends
 
+    def bytes_after_epochs(self) -> dict[int, float]:
+        """Bytes this rank had sent (``bytes_sent``, summed over steps) by the end of each
+        epoch, by epochs trained."""
+        sent = list(accumulate(float(s.get("bytes_sent", 0.0)) for s in self.steps))
+        ends = {}
+        for index, record in enumerate(self.epochs):
+            last = int(record.get("steps", len(self.steps))) - 1
+            if sent:
+                ends[int(record.get("epoch", index)) + 1] = sent[min(max(last, 0), len(sent) - 1)]
+        return ends
+
     @property
     def final_metric(self) -> float | None:
         values = self.metric_per_epoch()

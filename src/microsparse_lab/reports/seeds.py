@@ -76,6 +76,11 @@ class Variant:
         values an entry costs fewer bytes, so equal density is not equal traffic."""
         return fmean(run.mean("bytes_sent") for run in self.runs)
 
+    def bytes_at(self, epoch: int) -> float:
+        """Bytes one rank had sent after ``epoch`` epochs, the mean over seeds (NaN if a run
+        lacks the epoch)."""
+        return fmean(run.bytes_after_epochs().get(epoch, math.nan) for run in self.runs)
+
     @property
     def target_density(self) -> float:
         """δ, the density the variant's runs aimed at after any warm-up."""
@@ -184,33 +189,43 @@ are drawn dashed."""
 
 
 def plot_study(variants: list[Variant], out: str | Path, title: str = "") -> Path:
-    """Metric against epochs: the mean over seeds, and a band from the lowest to the highest."""
+    """Metric against epochs and against the bytes a rank had sent (log scale): the mean over
+    seeds, and a band from the lowest to the highest."""
     plt = pyplot()
     sparse = [v.target_density for v in variants if v.runs[0].sparsifier != "dense"]
     budget = OVERSPENT * min(sparse, default=1.0)
-    figure, axes = plt.subplots(figsize=(SIZE[0] * 1.25, SIZE[1] * 1.25))
+    figure, (by_epoch, by_bytes) = plt.subplots(
+        1, 2, figsize=(SIZE[0] * 2.2, SIZE[1] * 1.25), sharey=True
+    )
     for variant in variants:
         epochs = min(len(curve) for curve in variant.curves)
         if epochs == 0:
             continue
         xs = list(range(1, epochs + 1))
         per_epoch = [variant.at(epoch) or [math.nan] for epoch in xs]
+        means = [fmean(v) for v in per_epoch]
+        band = [min(v) for v in per_epoch], [max(v) for v in per_epoch]
         dense = variant.runs[0].sparsifier == "dense"
         spent = variant.mean_density()
         label = variant.name if dense else f"{variant.name} ({spent:.2g})"
         style = "--" if not dense and spent > budget else "-"  # beyond the budget
-        (line,) = axes.plot(xs, [fmean(v) for v in per_epoch], style, label=label)
-        axes.fill_between(xs, [min(v) for v in per_epoch], [max(v) for v in per_epoch],
-                          color=line.get_color(), alpha=0.15, linewidth=0)  # fmt: skip
-    axes.set_xlabel("epoch")
-    axes.xaxis.get_major_locator().set_params(integer=True)
-    axes.set_ylabel(variants[0].metric.name.replace("_", " "))
+        (line,) = by_epoch.plot(xs, means, style, label=label)
+        by_epoch.fill_between(xs, *band, color=line.get_color(), alpha=0.15, linewidth=0)
+        sent = [variant.bytes_at(epoch) / 1e6 for epoch in xs]
+        by_bytes.plot(sent, means, style, marker=".", color=line.get_color())
+        by_bytes.fill_between(sent, *band, color=line.get_color(), alpha=0.15, linewidth=0)
+    by_epoch.set_xlabel("epoch")
+    by_epoch.xaxis.get_major_locator().set_params(integer=True)
+    by_epoch.set_ylabel(variants[0].metric.name.replace("_", " "))
+    by_bytes.set_xlabel("MB one rank sent (log scale)")
+    by_bytes.set_xscale("log")
     if not variants[0].metric.higher_is_better and not _is_loss(variants[0].metric):
-        axes.set_yscale("log")  # perplexity: ratios matter; a loss is already a logarithm
-    axes.set_title(title or f"mean of {len(variants[0].runs)} seeds (band: lowest to highest); "
-                   f"in brackets: mean density; dashed: over {budget:.2g}")  # fmt: skip
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
+        by_epoch.set_yscale("log")  # perplexity: ratios matter; a loss is already a logarithm
+    figure.suptitle(title or f"mean of {len(variants[0].runs)} seeds (band: lowest to "
+                    f"highest); in brackets: mean density; dashed: over {budget:.2g}")  # fmt: skip
+    for axes in (by_epoch, by_bytes):
+        axes.grid(alpha=0.3)
+    by_epoch.legend(fontsize="small")
     figure.tight_layout()
     path = Path(out)
     figure.savefig(path, dpi=DPI)
