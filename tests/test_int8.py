@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+import microsparse.ddp
 from distributed import run_ranks
 from microsparse import GradientReducer, SparseOptions
 from microsparse.comm import ProcessGroupCollectives
@@ -199,3 +200,25 @@ def test_a_method_name_carries_its_value_dtype_to_every_integration() -> None:
         parse_method("micro(value_dtype=int4)@ddp")
     with pytest.raises(ValueError, match="'topk\\(value_dtype=int8\\)@ddp': .* padded wire"):
         parse_method("topk(value_dtype=int8)@ddp")  # refused before any worker starts
+
+
+def test_a_state_records_the_values_it_sends_and_refuses_an_older_defaults() -> None:
+    """A checkpoint names the dtype the values travelled in, not the option (None: the
+    wire's choice), so that a state saved when the default was another (bfloat16, before
+    int8) is refused by name instead of continuing with other values."""
+    reducer = GradientReducer([torch.zeros(100, requires_grad=True)], "micro", 0.1)
+    state = reducer.state_dict()
+    assert "|torch.int8|" in state["fingerprint"]
+    older = {**state, "fingerprint": state["fingerprint"].replace("|torch.int8|", "|None|")}
+    with pytest.raises(ValueError, match="different layout, sparsifier, density or options"):
+        reducer.load_state_dict(older)
+    plain = GradientReducer([torch.zeros(100, requires_grad=True)], "micro", 0.1, wire="plain")
+    assert "|None|" in plain.state_dict()["fingerprint"]  # float32, as before
+
+    hook = microsparse.ddp.SparseState("micro", 0.1)
+    saved = hook.state_dict()
+    assert saved["config"]["value_dtype"] == "torch.int8"
+    with pytest.raises(ValueError, match="saved with options"):
+        microsparse.ddp.SparseState("micro", 0.1).load_state_dict(
+            {**saved, "config": {**saved["config"], "value_dtype": "None"}}
+        )

@@ -272,7 +272,8 @@ class GradientReducer:
             "density": repr(self.sparsifier.density),
             "sparsifier options": str(sorted(self.sparsifier.options().items())),
             "gradient dtype": str(self._feedback.residual.dtype),
-            "value_dtype": str(opts.value_dtype),
+            # what is sent, not what was asked: a later default cannot change a resumed run
+            "value_dtype": str(opts.wire_value_dtype(self.world_size)),
             "nonfinite='raise'": str(opts.nonfinite == "raise"),
         }
         # in the text older states saved; absent when off, so that they still load

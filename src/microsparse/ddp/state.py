@@ -276,7 +276,8 @@ class SparseState:
             "sparsifier": self.sparsifier,
             "density": self.sparse_options.density,
             "options": sorted(self.options.items()),
-            "value_dtype": str(self.sparse_options.value_dtype),
+            # what is sent, not what was asked: a later default cannot change a resumed run
+            "value_dtype": str(self.sparse_options.wire_value_dtype(self._ranks())),
             "transactional": self.sparse_options.nonfinite == "raise",
         }
         config.update(self.sparse_options.corrections())
@@ -285,6 +286,17 @@ class SparseState:
         if self.min_speedup is not None:
             config["min_speedup"] = self.min_speedup
         return config
+
+    def _ranks(self) -> int | None:
+        """The ranks that average: the bound group's, a loaded state's, else the process
+        group's once it exists (None before ``init_process_group``)."""
+        if self._binding is not None:
+            return self._binding.world_size
+        if self._pending is not None and self._pending.get("world_size") is not None:
+            return int(self._pending["world_size"])
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(self.process_group)
+        return None
 
     def fingerprint(self) -> int:
         """A checksum of the options that decide the hook's collectives (equal on every rank

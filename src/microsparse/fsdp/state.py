@@ -345,7 +345,7 @@ class ShardedState:
             "sparsifier": options.sparsifier,
             "density": options.density,
             "options": sorted(options.options.items()),
-            "value_dtype": str(options.value_dtype),
+            "value_dtype": str(options.wire_value_dtype(self.world_size)),  # what is sent
             "nonfinite": options.nonfinite,
             **options.corrections(),
             **({"grad_scaler": True} if self.grad_scaler is not None else {}),
