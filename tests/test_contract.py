@@ -39,6 +39,7 @@ from distributed import run_ranks
 from microsparse import GradientReducer
 from microsparse.comm.framing import Fixed
 from microsparse.ddp import SparseState, sparse_hook
+from microsparse.layout import Layout
 from microsparse.sparsifiers import available_sparsifiers, create_sparsifier
 
 VARIANTS = {"micro(wire=compact_positions)": ("micro", {"wire": "compact_positions"})}
@@ -513,3 +514,18 @@ def test_the_hook_over_one_slab_is_the_loop_api(name: str, tmp_path_factory) -> 
         assert rank["slabs"] > 1, "the hook's own run must average several slabs"
         assert rank["one_exchange"]["buckets"] > 1, "one slab must span several DDP buckets"
         assert rank["one_exchange"]["differences"] == [], f"{name}, rank {r}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_what_the_wire_sends_is_what_it_prices_and_records(name: str) -> None:
+    """``wire_values`` (which a state's checkpoint records and a budget prices) is the dtype
+    the bound sparsifier's framing sends, on every number of ranks, and ``entry_bytes``
+    prices that framing at that dtype."""
+    base, options = VARIANTS.get(name, (name, {}))
+    layout = Layout.of([("w", torch.zeros(70_000)), ("b", torch.zeros(30))])
+    for world_size in (1, 4, 16, 17, 64):
+        sparsifier = create_sparsifier(base, DENSITY, **options)
+        sparsifier.bind(layout, rank=world_size - 1, world_size=world_size)
+        framing, values = sparsifier.framing(), sparsifier.wire_values(world_size)
+        assert framing.value_dtype == values, (name, world_size)
+        assert sparsifier.entry_bytes(world_size=world_size) == type(framing).entry_bytes(values)
