@@ -277,6 +277,7 @@ class Candidates:
 
     def __init__(self) -> None:
         self._maxima = torch.empty(0)
+        self._below = torch.empty(0, dtype=torch.bool)  # which blocks' maxima fail, reused
         self._depth = torch.arange(self.DEPTH) * self.LANES
         self._sparse = True
 
@@ -286,6 +287,8 @@ class Candidates:
         if self._maxima.numel() < chunks * self.LANES or self._maxima.device != magnitude.device:
             self._maxima = torch.empty(chunks * self.LANES, dtype=magnitude.dtype,
                                        device=magnitude.device)  # fmt: skip
+            self._below = torch.empty(chunks * self.LANES, dtype=torch.bool,
+                                      device=magnitude.device)  # fmt: skip
             self._depth = self._depth.to(magnitude.device)
         grid = magnitude[: chunks * self.CHUNK].view(chunks, self.DEPTH, self.LANES)
         maxima = self._maxima[: chunks * self.LANES]
@@ -303,7 +306,10 @@ class Candidates:
         else:
             if maxima is None:
                 maxima = self.maxima(magnitude)
-            hit = passing(maxima, threshold)
+            # passing(maxima, threshold) in a kept buffer: nothing of d/32 made each step
+            below = self._below[: maxima.numel()]
+            torch.lt(maxima, threshold, out=below)
+            hit = torch.nonzero(below.logical_not_()).squeeze(1)
             # First entry of each hit block, then its DEPTH entries LANES apart.
             first = torch.div(hit, self.LANES, rounding_mode="floor").mul_(self.CHUNK).add_(
                 hit % self.LANES
