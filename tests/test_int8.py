@@ -222,3 +222,10 @@ def test_a_state_records_the_values_it_sends_and_refuses_an_older_defaults() -> 
         microsparse.ddp.SparseState("micro", 0.1).load_state_dict(
             {**saved, "config": {**saved["config"], "value_dtype": "None"}}
         )
+    # Before init_process_group a state of 32 ranks (bfloat16 there) is taken at its own
+    # world size, which the hook checks when it binds.
+    wide = {**saved, "rank": 3, "world_size": 32,
+            "config": {**saved["config"], "value_dtype": "torch.bfloat16"}}  # fmt: skip
+    loaded = microsparse.ddp.SparseState("micro", 0.1)
+    loaded.load_state_dict(wide)
+    assert loaded.state_dict()["config"]["value_dtype"] == "torch.bfloat16"

@@ -271,13 +271,13 @@ class SparseState:
 
     # ---- checkpointing -------------------------------------------------------------------
 
-    def _config(self) -> dict[str, Any]:
+    def _config(self, loading: dict[str, Any] | None = None) -> dict[str, Any]:
         config = {
             "sparsifier": self.sparsifier,
             "density": self.sparse_options.density,
             "options": sorted(self.options.items()),
             # what is sent, not what was asked: a later default cannot change a resumed run
-            "value_dtype": str(self.sparse_options.wire_value_dtype(self._ranks())),
+            "value_dtype": str(self.sparse_options.wire_value_dtype(self._ranks(loading))),
             "transactional": self.sparse_options.nonfinite == "raise",
         }
         config.update(self.sparse_options.corrections())
@@ -287,15 +287,16 @@ class SparseState:
             config["min_speedup"] = self.min_speedup
         return config
 
-    def _ranks(self) -> int | None:
-        """The ranks that average: the bound group's, a loaded state's, else the process
-        group's once it exists (None before ``init_process_group``)."""
+    def _ranks(self, loading: dict[str, Any] | None = None) -> int | None:
+        """The ranks that average: the bound group's, else the process group's once it
+        exists, else those of the state being loaded (or loaded) before it (None: unknown)."""
         if self._binding is not None:
             return self._binding.world_size
-        if self._pending is not None and self._pending.get("world_size") is not None:
-            return int(self._pending["world_size"])
         if dist.is_available() and dist.is_initialized():
             return dist.get_world_size(self.process_group)
+        saved = loading if loading is not None else self._pending
+        if saved is not None and saved.get("world_size") is not None:
+            return int(saved["world_size"])  # checked against the group when the hook binds
         return None
 
     def fingerprint(self) -> int:
@@ -343,20 +344,21 @@ class SparseState:
         resumed run continues exactly. Raises if the state was saved with other options, or by
         another rank or world size.
         """
-        if state["config"] != self._config():
-            raise ValueError(
-                f"load_state_dict: saved with options {state['config']}, "
-                f"this state has {self._config()}"
-            )
         if self._binding is not None:
             if self._binding.slabs.order:
                 raise RuntimeError(RESTORE_AFTER_BACKWARD)
             _check_saved_by(state, self._binding.rank, self._binding.world_size)
+        elif dist.is_available() and dist.is_initialized():  # now, not in rank 1's hook only
+            group = self.process_group
+            _check_saved_by(state, dist.get_rank(group), dist.get_world_size(group))
+        mine = self._config(state)  # another world size was named above: the options differ
+        if state["config"] != mine:
+            raise ValueError(
+                f"load_state_dict: saved with options {state['config']}, this state has {mine}"
+            )
+        if self._binding is not None:
             self._binding.slabs.restore(state["slabs"])
         else:
-            if dist.is_available() and dist.is_initialized():  # now, not in rank 1's hook only
-                group = self.process_group
-                _check_saved_by(state, dist.get_rank(group), dist.get_world_size(group))
             self._pending = state
         self.step = int(state["step"])
         if self.speed is not None:

@@ -116,10 +116,10 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if given.resume and given.value_dtype is None and config.value_dtype is not None:
         parser.error(
             f"argument --resume: {args.resume} holds a checkpoint of a run that did not record "
-            f"the dtype its values travelled in (written before runs recorded it, when the "
-            f"default was another); this version would send {config.value_dtype}, and the run "
-            "would not continue as it began: start it afresh, or finish it with the version "
-            "that started it"
+            f"the dtype its values travelled in (written before runs recorded it, under a "
+            f"default that may differ from this version's {config.value_dtype}), so it could "
+            "not be sure to continue as it began: start it afresh, or finish it with the "
+            "version that started it"
         )
     device = _resolve_device(args.device, local_workers, parser)
     config = replace(config, device=device)

@@ -295,7 +295,8 @@ class TrainConfig:
         buys on this run's wire among ``ranks`` averaging ranks (None: not known yet); and
         ``value_dtype``, or, where the ranks are known, the wire's choice for them by name
         (so that a checkpoint records what was sent, whatever a later default); the
-        library's own checks of the options first."""
+        library's own checks of the options first. Like a bought density, the choice is
+        then the config's: resolve a config for the ranks that will run it."""
         given = self.density if self.budget is None else None
         # A value dtype that is no name of one, or given to a peer, is check()'s to name.
         named = self.value_dtype in VALUE_DTYPES and self.ddp_hook == "microsparse"
