@@ -28,12 +28,6 @@ from microsparse_lab.methods.names import PEERS, parse_method
 from microsparse_lab.training.tasks import Recipe, Task, available_tasks, get_task
 
 RECIPE_FIELDS = tuple(f.name for f in fields(Recipe))
-
-
-def shards_per_replica(shards: int | None) -> int:
-    """The ranks that shard one replica under ``--integration fsdp``: ``--shards``, else
-    torchrun's LOCAL_WORLD_SIZE (a machine's ranks), else 1."""
-    return shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 VALUE_DTYPES = SparseOptions.VALUE_DTYPE_NAMES
 """``value_dtype`` choices: torch dtypes that the sparse values may travel in."""
 RESUMABLE_CHANGES = (
@@ -43,6 +37,12 @@ RESUMABLE_CHANGES = (
 """What may differ from the checkpoint's config when resuming (the rest would not be exact)."""
 LOG_EVERY_ON_GPU = 20
 """``log_every``'s default on a GPU: steps between the host's reads of the step's numbers."""
+
+
+def shards_per_replica(shards: int | None) -> int:
+    """The ranks that shard one replica under ``--integration fsdp``: ``--shards``, else
+    torchrun's LOCAL_WORLD_SIZE (a machine's ranks), else 1."""
+    return shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 class ConfigError(ValueError):
