@@ -1,12 +1,14 @@
-"""MiCRO's compact wire (``wire="compact"``): 16-bit offsets in the owned partition's chunks.
+"""MiCRO's compact wire (``wire="compact"``): offsets into the owned partition, Elias–Fano coded.
 
-The codec alone first (every chunk pattern, counts that need all 16 bits), then on real gloo
+The codec alone first (full, empty, clustered and extreme messages, its size), then on real gloo
 ranks against the plain fixed message: the same positions and, with float32 values, the same
 averages and residuals bit for bit; with bfloat16 values every rank keeps its own rounding;
 the bytes each step reports are the bytes its collectives carried; bad combinations refused.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse.comm.collectives as collectives
 from distributed import run_ranks
 from microsparse import GradientReducer
-from microsparse.comm.chunks import SPAN, ChunkCodec, chunk_span
 from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes
+from microsparse.comm.eliasfano import EliasFano, position_bits
 from microsparse.comm.framing import Compact, Fixed
 from microsparse.comm.local import SymmetricPeers
 from microsparse.ddp import SparseState, sparse_hook
@@ -32,11 +34,15 @@ def random_offsets(generator: torch.Generator, size: int, count: int) -> torch.T
     return torch.randperm(size, generator=generator)[:count]
 
 
-@pytest.mark.parametrize(("size", "capacity"), [(1000, 37), (300_000, 4000), (140_000, 70_000)])
+@pytest.mark.parametrize(
+    ("size", "capacity"),
+    [(1000, 37), (300_000, 4000), (140_000, 70_000), (1, 1), (5, 5), (70_000, 1), (4096, 16)],
+)
 def test_the_codec_gives_back_every_ranks_offsets_in_order(size: int, capacity: int) -> None:
+    """Full, nearly full, half full and empty messages; ranges one entry long, taken whole,
+    or a power of two times the capacity (l exact)."""
     generator = torch.Generator().manual_seed(size)
-    span = chunk_span(capacity)
-    codec = ChunkCodec(-(-size // span), span, capacity)
+    codec = EliasFano(size, capacity)
     counts = [capacity, capacity - 1, 0, capacity // 2]
     sent = [random_offsets(generator, size, count) for count in counts]
     rows = torch.stack([codec.encode(offsets) for offsets in sent])
@@ -46,43 +52,52 @@ def test_the_codec_gives_back_every_ranks_offsets_in_order(size: int, capacity: 
     assert torch.equal(codec.decode(rows, counts), expected)
 
 
-def test_empty_full_and_nearly_full_chunks_fit_16_bits() -> None:
-    """A chunk of 65,535 picks (all but one), chunks with none, and, where the capacity allows
-    a whole chunk, 32,768-entry chunks with one of them picked entirely."""
-    codec = ChunkCodec(chunks=4, span=SPAN, capacity=SPAN - 1)
-    nearly = torch.cat([torch.arange(2 * SPAN, 3 * SPAN - 1)])  # chunk 2 but its last entry
-    rows = codec.encode(nearly).unsqueeze(0)
-    assert rows.view(torch.int16)[0, :4].tolist() == [0, 0, -1, 0]  # 65,535 as int16
-    assert torch.equal(codec.decode(rows, [SPAN - 1]), nearly)
-    assert chunk_span(SPAN) == SPAN // 2
-    whole = ChunkCodec(chunks=3, span=SPAN // 2, capacity=SPAN)
-    picks = torch.cat([torch.arange(SPAN // 2, SPAN), torch.tensor([SPAN + 5])])
-    rows = whole.encode(picks.flip(0)).unsqueeze(0)
-    assert whole.counts(rows) == [SPAN // 2 + 1]
-    assert torch.equal(whole.decode(rows, [SPAN // 2 + 1]), picks)
-    with pytest.raises(ValueError, match="do not fit 16 bits"):
-        ChunkCodec(chunks=1, span=SPAN, capacity=SPAN)
+@pytest.mark.parametrize(("size", "capacity"), [(1000, 37), (300_000, 1000), (1 << 20, 1 << 8)])
+def test_the_code_is_the_elias_fano_size_and_its_price(size: int, capacity: int) -> None:
+    """capacity · l low bits and capacity + ⌈size / 2**l⌉ high bits, at most l + 3 bits an
+    offset; what a budget prices (``position_bits``) is within a bit of it."""
+    codec = EliasFano(size, capacity)
+    low = math.floor(math.log2(size / capacity))
+    assert codec.low == low
+    assert codec.bits == capacity * low + (size - 1 >> low) + capacity
+    assert codec.bits / capacity <= low + 3
+    assert abs(codec.bits / capacity - position_bits(capacity / size)) < 1
+    assert codec.words == math.ceil(codec.bits / 32)
 
 
-def test_slots_past_a_ranks_count_decode_past_its_last_chunk() -> None:
+def test_clustered_and_extreme_offsets() -> None:
+    """Every entry of a range (no low bits), its two ends alone, and a run of consecutive
+    offsets that sets a run of high bits."""
+    whole = EliasFano(1000, 1000)
+    assert whole.low == 0
+    every = torch.arange(1000).flip(0)
+    assert torch.equal(whole.decode(whole.encode(every).unsqueeze(0), [1000]), every.flip(0))
+    codec = EliasFano(1 << 20, 300)
+    ends = torch.tensor([(1 << 20) - 1, 0])
+    assert codec.decode(codec.encode(ends).unsqueeze(0), [2]).tolist() == [0, (1 << 20) - 1]
+    run = torch.arange(500_000, 500_300)
+    assert torch.equal(codec.decode(codec.encode(run).unsqueeze(0), [300]), run)
+
+
+def test_slots_past_a_ranks_count_decode_as_offset_zero() -> None:
     """Where the host's counts exceed a message's own (every rank answered one rank's message,
-    as in ``SymmetricPeers``' timings), the extra slots read as offsets at or past the last
-    chunk's end, never inside another chunk, so the caller can keep them in the range."""
-    codec = ChunkCodec(chunks=3, span=16, capacity=6)
-    message = codec.encode(torch.tensor([40, 2, 17]))  # one pick in each chunk
+    as in ``SymmetricPeers``' timings), the extra slots read as offset 0, inside the range."""
+    codec = EliasFano(48, capacity=6)
+    message = codec.encode(torch.tensor([40, 2, 17]))
     rows = message.unsqueeze(0).expand(2, codec.words)
     decoded = codec.decode(rows, [3, 6])
-    assert decoded[:6].tolist() == [2, 17, 40, 2, 17, 40]
-    assert decoded[6:].tolist() == [3 * 16] * 3  # zero padding in chunk "3": the range's end
+    assert decoded.tolist() == [2, 17, 40, 2, 17, 40, 0, 0, 0]
 
 
-def test_padding_is_zero_and_the_message_is_half_words() -> None:
-    codec = ChunkCodec(chunks=2, span=SPAN, capacity=4)  # 6 halfwords: 3 words
-    odd = ChunkCodec(chunks=2, span=SPAN, capacity=5)  # 7 halfwords: 4 words, one pad
-    assert (codec.words, odd.words) == (3, 4)
-    message = odd.encode(torch.tensor([70_000, 3]))
-    assert message.view(torch.int16).tolist() == [1, 1, 3, 70_000 - SPAN, 0, 0, 0, 0]
-    assert Compact.collectives(slots=odd.halfwords, index_bytes=4) == [("all_gather", 16)]
+def test_bits_past_the_code_are_zero_and_the_message_is_whole_words() -> None:
+    codec = EliasFano(1 << 16, 5)  # 5 · 13 low bits, 5 + 7 high bits: 77 bits in 3 words
+    assert (codec.bits, codec.words) == (77, 3)
+    message = codec.encode(torch.tensor([70_000 - (1 << 16), 3]))
+    shifts = torch.arange(8, dtype=torch.uint8)
+    bits = message.view(torch.uint8).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1)
+    bits = bits.view(-1)
+    assert int(bits[77:].sum()) == 0 and int(bits[65:77].sum()) == 2  # two high bits set
+    assert Compact.collectives(slots=2 * codec.words, index_bytes=4) == [("all_gather", 12)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +166,6 @@ def wire_worker(rank: int, n: int, numel: int, density: float, options: dict, ho
                       "calls": recorder.take()})  # fmt: skip
     framing = reducer._engine.framing
     return {"steps": steps, "label": framing.label, "slots": getattr(framing, "slots", None),
-            "chunks": getattr(framing, "chunks", None),
             "value_dtype": reducer._engine.value_dtype}  # fmt: skip
 
 
@@ -160,13 +174,13 @@ def launch(tmp_path, numel, density, options, world=2, hot=None) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    ("numel", "partitioning", "world", "chunks"),
-    [(400_003, "interleaved", 2, 4), (400_003, "contiguous", 3, 3), (5_000, "interleaved", 2, 1)],
+    ("numel", "partitioning", "world"),
+    [(400_003, "interleaved", 2), (400_003, "contiguous", 3), (5_000, "interleaved", 2)],
 )
 def test_float32_values_average_as_the_plain_message(
-    numel: int, partitioning: str, world: int, chunks: int, tmp_path
+    numel: int, partitioning: str, world: int, tmp_path
 ) -> None:
-    """Partitions of about 200,000 and 133,000 entries (several chunks) and of 2,500 (one).
+    """Partitions of about 200,000, 133,000 and 2,500 entries.
     The same positions, hence the same residuals, bit for bit. The values travel sorted by
     position instead of in selection order: with two ranks each sum is one addition and the
     averages are equal bit for bit; with three, gloo's ring adds an entry's three values in an
@@ -175,7 +189,7 @@ def test_float32_values_average_as_the_plain_message(
     plain = launch(tmp_path / "plain", numel, 0.01, {**options, "wire": "plain"}, world)
     compact = launch(tmp_path / "compact", numel, 0.01, {**options, "wire": "compact_positions"},
                      world)  # fmt: skip
-    assert compact[0]["label"] == "compact" and compact[0]["chunks"] == chunks
+    assert compact[0]["label"] == "compact"
     assert compact[0]["value_dtype"] is None
     for t in range(STEPS):
         for r in range(world):
@@ -190,11 +204,11 @@ def test_float32_values_average_as_the_plain_message(
                 assert getattr(a["stats"], field) == getattr(b["stats"], field), (t, r, field)
             assert b["stats"].exchange == "compact"
             assert b["stats"].selected == b["stats"].target > 0
-        # the index message: about half the plain one's bytes
+        # the index message: 8.6 bits an offset at density 0.01 and the guard, against 32
         index = [c for c in compact[0]["steps"][t]["calls"] if c[2] == torch.int32]
         plain_index = [c for c in plain[0]["steps"][t]["calls"] if c[2] == torch.int32]
         assert len(index) == len(plain_index) == 1
-        assert index[0][1] < 0.55 * plain_index[0][1], (index, plain_index)
+        assert index[0][1] < 0.3 * plain_index[0][1], (index, plain_index)
 
 
 def test_bfloat16_values_keep_each_ranks_rounding_and_conserve(tmp_path) -> None:
@@ -225,12 +239,12 @@ def test_bfloat16_values_keep_each_ranks_rounding_and_conserve(tmp_path) -> None
 
 
 @pytest.mark.parametrize(("density", "chunk"), [(0.01, 0), (0.01, 2), (0.5, 1)])
-def test_picks_all_in_one_chunk(density: float, chunk: int, tmp_path) -> None:
-    """Contiguous partitions of 150,000 entries; every pick in one chunk, none in the others.
-    At density 0.5 the quota (75,000) can fill a chunk: the chunks are 32,768 entries, and
-    chunk 1 is picked entirely."""
+def test_picks_all_in_one_block(density: float, chunk: int, tmp_path) -> None:
+    """Contiguous partitions of 150,000 entries; every pick in one block of the range, none
+    in the others (a run of set high bits, long gaps around it). At density 0.5 the quota
+    (75,000) fills a block of 32,768 entries, and the rest lie elsewhere."""
     numel, options = 300_000, {"partitioning": "contiguous"}
-    span = SPAN if density < 0.4 else SPAN // 2
+    span = 1 << 16 if density < 0.4 else 1 << 15
     plain = launch(tmp_path / "plain", numel, density, {**options, "wire": "plain"}, world=2,
                    hot=(chunk, span))  # fmt: skip
     compact = launch(tmp_path / "compact", numel, density,
@@ -295,7 +309,8 @@ def test_the_compact_wire_is_the_default_where_the_options_can_carry_it() -> Non
     micro = create_sparsifier("micro", 0.01)
     micro.bind(layout_of(10_000), 0, 2)
     assert micro.wire == "compact" and isinstance(micro.framing(), Compact)
-    assert micro.framing().value_dtype == torch.int8 and micro.entry_bytes() == 3
+    assert micro.framing().value_dtype == torch.int8
+    assert micro.entry_bytes() == 1 + position_bits(0.01) / 8 < 2.1
     # a shared threshold, or the reference's padded message: the plain wire, without asking
     assert create_sparsifier("micro", 0.01, selection="threshold").wire == "plain"
     assert create_sparsifier("micro", 0.01, index_message="padded").wire == "plain"
@@ -336,7 +351,7 @@ def test_offsets_invert_positions_in_every_partition(partitioning: str) -> None:
 
 def test_symmetric_peers_time_the_compact_step_with_unequal_quotas() -> None:
     """The benchmarks answer every rank with this rank's message, though the quotas differ
-    by one and the partitions by a tail block: the step still runs, at half the bytes."""
+    by one and the partitions by a tail block: the step still runs, at a third of the bytes."""
     sent = {}
     for wire in ("plain", "compact"):
         param = torch.nn.Parameter(torch.zeros(1_000_003))
@@ -347,7 +362,7 @@ def test_symmetric_peers_time_the_compact_step_with_unequal_quotas() -> None:
             stats = reducer.synchronize()
         assert stats.selected == stats.target == 1000
         sent[wire] = stats.bytes_sent
-    assert sent["compact"] < 0.51 * sent["plain"], sent
+    assert sent["compact"] < 0.35 * sent["plain"], sent
 
 
 class SometimesUsed(torch.nn.Module):
@@ -367,10 +382,10 @@ class SometimesUsed(torch.nn.Module):
 
 def unused_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
     """DDP leaving out the parameters no rank used: the counts are then not known before the
-    exchange, and the compact message's chunk counts are read on the host."""
+    exchange, and the compact messages' set bits are counted on the host."""
     read = []
-    counts = ChunkCodec.counts
-    ChunkCodec.counts = lambda codec, rows: read.append(1) or counts(codec, rows)
+    counts = EliasFano.counts
+    EliasFano.counts = lambda codec, rows: read.append(1) or counts(codec, rows)
     model = SometimesUsed()
     ddp = DDP(model, find_unused_parameters=True)
     ddp.register_comm_hook(SparseState("micro", 0.05, **options), sparse_hook)
@@ -379,7 +394,7 @@ def unused_worker(rank: int, n: int, options: dict) -> list[torch.Tensor]:
         model.use_branch = step < 2
         model.zero_grad()
         ddp(torch.randn(8, 64, generator=generator)).pow(2).sum().backward()
-    assert options.get("wire") == "plain" or read, "the compact header's counts were never read"
+    assert options.get("wire") == "plain" or read, "the compact messages' counts were never read"
     return [p.detach().clone() for p in model.parameters()]
 
 

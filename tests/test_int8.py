@@ -170,10 +170,11 @@ def test_int8_is_refused_where_it_cannot_work() -> None:
                         value_dtype=torch.int8)  # fmt: skip
 
 
-def test_a_budget_buys_a_third_more_entries_on_int8_values() -> None:
+def test_a_budget_buys_half_again_the_entries_on_int8_values() -> None:
+    """2.26 bytes an entry against 3.26 (10.1 bits an offset at either density, l = 8)."""
     bfloat16 = SparseOptions("micro", budget=0.002, value_dtype=torch.bfloat16)
     int8 = SparseOptions("micro", budget=0.002, value_dtype=torch.int8)
-    assert bfloat16.density == 0.002 and int8.density == pytest.approx(0.002 * 4 / 3)
+    assert 1.45 < int8.density / bfloat16.density < 1.48
     assert SparseOptions("micro", budget=0.002).density == int8.density  # the default here
     assert SparseOptions.from_dict(int8.to_dict()) == int8
 

@@ -12,13 +12,14 @@ hands it to whichever integration it uses::
 
 What to send is asked for in one of two ways: ``density``, the fraction of the gradient's
 entries, or ``budget``, the fraction of dense averaging's bytes (4 per entry, float32). A
-budget becomes a density through the bytes one entry costs on the chosen wire
-(:meth:`~microsparse.sparsifiers.Sparsifier.entry_bytes`): density = budget · 4 / bytes per
-entry, e.g. budget 0.002 is density 0.001 on the plain wire (an int32 index and a float32
-value), 0.002 on MiCRO's compact wire with bfloat16 values (a 16-bit offset and 2 bytes).
-Given neither, a run spends :data:`DEFAULT_BUDGET` (0.2 % of dense's bytes): MiCRO sends
-0.27 % of the entries on its compact wire with 8-bit values (3 bytes an entry, up to
-:data:`~microsparse.sparsifiers.micro.INT8_RANKS` = 16 ranks), 0.2 % with bfloat16 values
+budget becomes the density whose entries cost that many bytes on the chosen wire
+(:meth:`~microsparse.sparsifiers.Sparsifier.density_for`): density · bytes per entry =
+budget · 4, e.g. budget 0.002 is density 0.001 on the plain wire (an int32 index and a float32
+value). On MiCRO's compact wire an offset costs fewer bits the more are sent (Elias–Fano,
+about 2 + log2(1 / density)), so the two are solved together. Given neither, a run spends
+:data:`DEFAULT_BUDGET` (0.2 % of dense's bytes): MiCRO sends 0.35 % of the entries on its
+compact wire with 8-bit values (2.26 bytes an entry, up to
+:data:`~microsparse.sparsifiers.micro.INT8_RANKS` = 16 ranks), 0.24 % with bfloat16 values
 beyond, the baselines 0.1 % on the plain wire. What an entry costs can depend on the number
 of ranks, so each integration prices a budget again for its own (:meth:`SparseOptions.for_ranks`).
 
@@ -85,10 +86,10 @@ class SparseOptions:
         (0.9, False)
         >>> SparseOptions.from_dict(options.to_dict()) == options
         True
-        >>> round(SparseOptions("micro", budget=0.002).density, 6)  # compact, int8: 3 bytes
-        0.002667
-        >>> SparseOptions("micro", budget=0.002).for_ranks(64).density  # bfloat16 beyond 16
-        0.002
+        >>> round(SparseOptions("micro", budget=0.002).density, 6)  # compact, int8: 2.26 bytes
+        0.003535
+        >>> round(SparseOptions("micro", budget=0.002).for_ranks(64).density, 6)  # bfloat16
+        0.002404
         >>> SparseOptions("micro", budget=0.002, options={"wire": "plain"}).density  # int32 + fp32
         0.001
         >>> SparseOptions("topk").density   # DEFAULT_BUDGET on the plain wire
@@ -180,15 +181,15 @@ class SparseOptions:
             )
         budget = DEFAULT_BUDGET if self.budget is None else validate_budget(self.budget)
         probe = create_sparsifier(self.sparsifier, 1.0, owner=owner, **self.options)
-        entry = probe.entry_bytes(self.value_dtype, ranks)
-        density = budget * DENSE_ENTRY_BYTES / entry
+        density = probe.density_for(budget, self.value_dtype, ranks)
         if density > 1.0:
+            entry = probe.entry_bytes(self.value_dtype, ranks)  # the probe's density is 1
             largest = entry / DENSE_ENTRY_BYTES
             raise ValueError(
                 f"budget={budget!r} buys more than every entry: {self.sparsifier} sends "
-                f"{entry} bytes an entry on this wire (value_dtype={self.value_dtype}), so its "
-                f"budget is at most {largest:g} (density 1); give a budget up to {largest:g}, "
-                "or density=1 to average densely"
+                f"{entry:g} bytes an entry on this wire at density 1 (value_dtype="
+                f"{self.value_dtype}), so its budget is at most {largest:g}; give a budget up "
+                f"to {largest:g}, or density=1 to average densely"
             )
         return density, probe
 
@@ -248,8 +249,8 @@ class SparseOptions:
 
         Example:
             >>> options = SparseOptions("micro")               # DEFAULT_BUDGET
-            >>> options.for_ranks(8) is options, options.for_ranks(32).density
-            (True, 0.002)
+            >>> options.for_ranks(8) is options, round(options.for_ranks(32).density, 6)
+            (True, 0.002404)
         """
         if not self._bought or self.averages_densely:
             return self

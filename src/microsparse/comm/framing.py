@@ -15,10 +15,10 @@ learn all positions, and back into one position list that is identical on every 
   follow in a second round. Where every rank's count is known before the exchange (MiCRO's
   quotas), the positions are decoded without reading anything back to the host.
 - :class:`Compact`: as ``Fixed`` with every count known, for positions that each lie in a
-  range of the rank's own that every rank knows (MiCRO's owned partition): offsets into it,
-  16 bits each after a 16-bit count per 65,536-entry chunk (``comm/chunks.py``); about half
-  the bytes of ``Fixed``'s int32 positions. The values then travel as bfloat16 unless the
-  user names another dtype.
+  range of the rank's own that every rank knows (MiCRO's owned partition): offsets into it in
+  Elias–Fano form (``comm/eliasfano.py``), about 2 + log2(1 / density) bits each (10.5 at
+  0.27 %) instead of ``Fixed``'s 32. The values then travel as the wire chooses (8-bit
+  integers on a shared scale up to 16 ranks) unless the user names a dtype.
 - :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
   step is checked.
 - :class:`Dense`: no indices; every entry is averaged.
@@ -40,8 +40,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from microsparse.comm.chunks import ChunkCodec, chunk_span
 from microsparse.comm.collectives import Collective, Kind, check_steps, index_dtype
+from microsparse.comm.eliasfano import EliasFano, position_bits
 from microsparse.errors import ConfigMismatchError
 
 Exchange = Generator[Collective, torch.Tensor, "Exchanged"]
@@ -77,7 +77,7 @@ class Exchanged:
     """Positions this rank sent."""
     message_slots: int
     """Indices per rank in the index message (the largest count, or the fixed capacity; for
-    ``Compact``, the message's 16-bit words, chunk counts included)."""
+    ``Compact``, the 16-bit halves of its code's words)."""
     proposed: int
     """Σ_r of every rank's proposals, before deduplication or the capacity cut."""
     local_proposed: int
@@ -108,29 +108,41 @@ class Framing(ABC):
     value_dtype: torch.dtype | None = None
     """The values' wire dtype where the user names none (None: the gradient's own)."""
     position_bytes: ClassVar[int] = 4
-    """Nominal bytes of one position on the wire (an int32 index), whatever d and n: headers,
-    padding and chunk counts are left out (see :meth:`entry_bytes`)."""
+    """Nominal bytes of one position on the wire (an int32 index), whatever d and n: headers
+    and padding are left out (see :meth:`entry_bytes`)."""
 
     @classmethod
-    def entry_bytes(cls, value_dtype: torch.dtype | None = None) -> int:
-        """Nominal bytes of one sent entry: its position and its value as ``value_dtype``
-        (float32 where None, the bytes dense averaging sends per entry).
+    def entry_bytes(cls, value_dtype: torch.dtype | None = None, density: float = 1.0) -> float:
+        """Nominal bytes of one sent entry where a rank sends ``density`` of the entries: its
+        position (:attr:`position_bytes`, or what a compact offset costs at that density) and
+        its value as ``value_dtype`` (float32 where None, the bytes dense averaging sends per
+        entry).
 
         The one place a byte budget (``SparseOptions(budget=...)``) is priced. What it leaves
         out is small and does not grow with k: a fixed message's 3-slot header, a padded
         message's count round, the guard's 8 bytes a rank (and an int8 step's scale, 4 more),
-        the last share's slot of padding, and a compact message's 2 bytes of count per 65,536
-        gradient entries (0.00076 % of dense's bytes). ``StepStats.payload_bytes`` counts all
-        of it.
+        the last share's slot of padding, and the rounding of a compact message to whole
+        words. ``StepStats.payload_bytes`` counts all of it.
 
         Example:
             >>> Fixed.entry_bytes(), Fixed.entry_bytes(torch.bfloat16)
             (8, 6)
-            >>> Compact.entry_bytes(torch.bfloat16), Dense.entry_bytes()
-            (4, 4)
+            >>> round(Compact.entry_bytes(torch.int8, density=1 / 256), 3), Dense.entry_bytes()
+            (2.25, 4)
         """
         values = torch.float32 if value_dtype is None else value_dtype
         return cls.position_bytes + values.itemsize
+
+    @classmethod
+    def density_for(cls, entry_budget: float, value_dtype: torch.dtype | None = None) -> float:
+        """The density whose entries cost ``entry_budget`` bytes per gradient entry: density ·
+        :meth:`entry_bytes` at that density (a budget times dense's 4 bytes an entry).
+
+        Example:
+            >>> Fixed.density_for(0.008), round(Compact.density_for(0.008, torch.int8), 6)
+            (0.001, 0.003535)
+        """
+        return entry_budget / cls.entry_bytes(value_dtype)
 
     @classmethod
     def check_value_dtype(cls, value_dtype: torch.dtype | None, sparsifier: str) -> None:
@@ -402,21 +414,22 @@ class OwnedRanges(Protocol):
 
 
 class Compact(Framing):
-    """One all-gather of 16-bit offsets into each rank's own range, after a 16-bit count per
-    chunk of it (:class:`~microsparse.comm.chunks.ChunkCodec`), in int32 words.
+    """One all-gather of every rank's offsets into its own range in Elias–Fano form
+    (:class:`~microsparse.comm.eliasfano.EliasFano`), in int32 words.
 
-    Each rank's message has ``chunks + capacity`` 16-bit words (padded to even), where
-    ``chunks`` = ⌈largest range / span⌉: about 2 bytes per position instead of ``Fixed``'s 4,
-    plus 2 bytes per 65,536 entries of the range; where the engine hands over its guard
-    (:attr:`Proposal.guard`), its two words follow, and the step takes no guard round of its
-    own; where the values travel as 8-bit integers, the rank's largest |value| (float32) takes
-    one word more. ``message_slots`` counts the 16-bit words of counts and offsets. The size
-    is fixed by the options and the step's kind alone, so ranks at different steps still meet
-    in equal-sized rounds, and the engine reads the step from the guard's words. Where the counts
-    are not known (DDP leaving out unused parameters), the chunk counts are read on the host.
+    Each rank's message holds ``capacity`` offsets below the largest range's size u in
+    ``capacity · l + (u - 1 >> l) + capacity`` bits (l = ⌊log2(u / capacity)⌋; about
+    2 + log2(u / capacity) bits an offset, 10.5 where a rank sends 0.27 % of its range),
+    rounded up to whole words; where the engine hands over its guard (:attr:`Proposal.guard`),
+    its two words follow, and the step takes no guard round of its own; where the values
+    travel as 8-bit integers, the rank's largest |value| (float32) takes one word more.
+    ``message_slots`` counts the 16-bit halves of the code's words. The size is fixed by the
+    options and the step's kind alone, so ranks at different steps still meet in equal-sized
+    rounds, and the engine reads the step from the guard's words. Where the counts are not
+    known (DDP leaving out unused parameters), each rank's set bits are counted on the host.
 
     Example:
-        >>> Compact.collectives(slots=103, index_bytes=4)   # 3 chunk counts + 100 offsets
+        >>> Compact.collectives(slots=104, index_bytes=4)   # 52 words of code
         [('all_gather', 208)]
     """
 
@@ -425,7 +438,6 @@ class Compact(Framing):
     decodes_known_counts = True
     carries_guard = True
     carries_scale = True
-    position_bytes = 2  # a 16-bit offset inside its chunk
     GUARD_WORDS = 2
     SCALE_SLOTS = 2
     """The 16-bit slots of the 32-bit word that carries an 8-bit step's scale."""
@@ -435,12 +447,30 @@ class Compact(Framing):
     ) -> None:
         self._ranges = ranges
         self.capacity = capacity
-        self.span = chunk_span(capacity)
-        self.chunks = -(-ranges.largest // self.span)
         self.value_dtype = value_dtype
-        self._codec = ChunkCodec(self.chunks, self.span, capacity)
-        self.slots = self._codec.halfwords
+        self._codec = EliasFano(ranges.largest, capacity)
+        self.slots = 2 * self._codec.words
         self._messages: dict[int, torch.Tensor] = {}  # by length: with the guard's words or not
+
+    @classmethod
+    def entry_bytes(cls, value_dtype: torch.dtype | None = None, density: float = 1.0) -> float:
+        """As :meth:`Framing.entry_bytes`: an offset costs
+        :func:`~microsparse.comm.eliasfano.position_bits` (density) bits, fewer the more a
+        rank sends of its range."""
+        values = torch.float32 if value_dtype is None else value_dtype
+        return position_bits(density) / 8 + values.itemsize
+
+    @classmethod
+    def density_for(cls, entry_budget: float, value_dtype: torch.dtype | None = None) -> float:
+        """As :meth:`Framing.density_for`, solved in the range of densities that share l low
+        bits, where density · bytes = density · (value + (l + 1) / 8) + 2**-l / 8 (its
+        solutions join where l changes, so exactly one range holds one)."""
+        values = (torch.float32 if value_dtype is None else value_dtype).itemsize
+        for low in range(64):
+            density = (entry_budget - 2.0**-low / 8) / (values + (low + 1) / 8)
+            if density > 2.0 ** -(low + 1):
+                return density
+        return entry_budget / cls.entry_bytes(value_dtype, 2.0**-64)
 
     def exchange(self, proposal: Proposal, world_size: int) -> Exchange:
         local, step, ranges = proposal.local, proposal.step, self._ranges
@@ -473,8 +503,8 @@ class Compact(Framing):
     def collectives(
         cls, slots: float, index_bytes: int, counts_known: bool = False
     ) -> list[tuple[Kind, float]]:
-        """``slots``: the message's 16-bit words (chunk counts and offsets); ``index_bytes`` is
-        not read (2 bytes each, in 4-byte words). A guard carried inside adds its 8 bytes here
+        """``slots``: the 16-bit halves of the code's words; ``index_bytes`` is
+        not read (the code fills whole 4-byte words). A guard carried inside adds its 8 bytes here
         instead of in a round of its own."""
         return [("all_gather", 4 * math.ceil(slots / 2))]
 

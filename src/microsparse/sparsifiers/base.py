@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from microsparse.comm.framing import Framing
+from microsparse.comm.framing import Dense, Framing
 from microsparse.layout import Layout
 
 
@@ -117,11 +117,11 @@ class Sparsifier(ABC):
 
     def entry_bytes(
         self, value_dtype: torch.dtype | None = None, world_size: int | None = None
-    ) -> int:
+    ) -> float:
         """Nominal bytes of one entry this sparsifier sends, known from its options and the
-        number of ranks (None: not known yet) before :meth:`bind`: its framing's position
-        and the value as ``value_dtype``, or as the framing chooses on ``world_size`` ranks
-        (:meth:`Framing.entry_bytes`). A byte budget divides by it.
+        number of ranks (None: not known yet) before :meth:`bind`: its framing's position at
+        this density and the value as ``value_dtype``, or as the framing chooses on
+        ``world_size`` ranks (:meth:`Framing.entry_bytes`).
 
         Example:
             >>> from microsparse.sparsifiers import create_sparsifier
@@ -129,7 +129,22 @@ class Sparsifier(ABC):
             6
         """
         chosen = self.wire_values(world_size) if value_dtype is None else value_dtype
-        return self.framing_kind().entry_bytes(chosen)
+        return self.framing_kind().entry_bytes(chosen, self.density)
+
+    def density_for(
+        self, budget: float, value_dtype: torch.dtype | None = None, world_size: int | None = None
+    ) -> float:
+        """The density whose entries cost ``budget`` of dense averaging's bytes (4 an entry)
+        on this sparsifier's wire, its values as :meth:`entry_bytes` says: where a position
+        costs less the more are sent (MiCRO's compact offsets), the two are solved together.
+
+        Example:
+            >>> from microsparse.sparsifiers import create_sparsifier
+            >>> create_sparsifier("topk", 1.0).density_for(0.002)   # int32 + float32
+            0.001
+        """
+        chosen = self.wire_values(world_size) if value_dtype is None else value_dtype
+        return self.framing_kind().density_for(budget * Dense.entry_bytes(), chosen)
 
     def wire_values(self, world_size: int | None = None) -> torch.dtype | None:
         """The dtype this sparsifier's values travel in where the user names none, on

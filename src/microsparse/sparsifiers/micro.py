@@ -31,8 +31,8 @@ WIRES = ("plain", "compact", "compact_positions")
 INT8_RANKS = 16
 """Up to this many ranks the compact wire's values travel as 8-bit integers unless
 ``value_dtype`` names another dtype; beyond, as bfloat16. The 8-bit sum of n ranks leaves
-each 127 // n levels (7 at 16); measured at 4 and 16 ranks, the third more entries a budget
-buys at 3 bytes an entry instead of 4 trained closer to dense on every task."""
+each 127 // n levels (7 at 16); measured at 4 and 16 ranks, the more entries a budget buys
+with one byte a value instead of two trained closer to dense on every task."""
 
 
 def compact_values(world_size: int | None) -> torch.dtype:
@@ -87,14 +87,14 @@ class Micro(Sparsifier):
         capacity_factor: slack of the fixed message over an even share k / n (threshold
             selection).
         wire: ``"compact"`` (the default where the options allow it: quotas in the fixed
-            message): each position as its 16-bit offset inside the owned partition's
-            65,536-entry chunk, after a 16-bit count per chunk
+            message): the positions as offsets into the owned partition in Elias–Fano
+            form, about 2 + log2(1 / density) bits each
             (:class:`~microsparse.comm.framing.Compact`), and the values, unless
             ``value_dtype`` names a dtype, as 8-bit integers on a scale every rank learns
             in the index message up to :data:`INT8_RANKS` ranks, as bfloat16 beyond: about
-            3 or 4 bytes an entry instead of 8, the rounding kept in the residual. At equal
-            bytes it carries two to three times the entries, which trained better on every
-            task measured (docs/results, "accuracy per byte").
+            2.3 or 3.3 bytes an entry instead of 8, the rounding kept in the residual. At
+            equal bytes it carries three to four times the entries, which trained better on
+            every task measured (docs/results, "accuracy per byte").
             ``"compact_positions"``: the same positions, the values as ``value_dtype`` says.
             ``"plain"`` (the default with a shared threshold or the padded message): int32
             positions as ``index_message`` says, values as the reducer's ``value_dtype``
@@ -214,7 +214,7 @@ class Micro(Sparsifier):
             >>> Micro(0.001).wire_values(4), Micro(0.001).wire_values(64)
             (torch.int8, torch.bfloat16)
             >>> Micro(0.001).entry_bytes(), Micro(0.001).entry_bytes(world_size=64)
-            (3, 4)
+            (2.494140625, 3.494140625)
             >>> Micro(0.001, wire="plain").entry_bytes()
             8
         """
