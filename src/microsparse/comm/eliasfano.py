@@ -27,7 +27,7 @@ import math
 import torch
 
 BYTE_BITS = torch.arange(8, dtype=torch.uint8)
-"""Shifts that take a byte's bits apart, lowest first."""
+"""A byte's bits, lowest first."""
 
 
 def position_bits(density: float) -> float:
@@ -58,11 +58,12 @@ class EliasFano:
         """Bits of the code: the low parts, then the unary high parts."""
         self.words = math.ceil(self.bits / 32)
         """int32 words of one rank's message."""
-        self._low_shifts = self._low_weights = torch.empty(0, dtype=torch.long)
-        self._byte_shifts = self._byte_weights = torch.empty(0, dtype=torch.uint8)
-        self._places = torch.empty(0, dtype=torch.long)
-        self._unpacked = torch.empty(0, dtype=torch.uint8)
-        self._slots = torch.empty(0, dtype=torch.long)
+        self._low_masks = torch.empty(0, dtype=torch.long)
+        self._byte_masks = torch.empty(0, dtype=torch.uint8)
+        self._unpacked = torch.empty(0, dtype=torch.bool)
+        self._high_starts = torch.empty(0, dtype=torch.long)
+        self._after_places = torch.empty(0, dtype=torch.long)
+        self._offsets = torch.empty(0, 0, dtype=torch.long)
         self._row_starts = torch.empty(0, 1, dtype=torch.long)
         self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
@@ -80,43 +81,43 @@ class EliasFano:
         unpacked = self._buffers(device)
         unpacked.zero_()
         ordered = offsets.sort().values
-        count = ordered.numel()
-        low, lows = self.low, self.capacity * self.low
-        if low:  # slot i's bit j at i · l + j
-            bits = ordered.unsqueeze(1).bitwise_right_shift(self._low_shifts)
-            unpacked[: count * low].copy_(bits.bitwise_and_(1).view(-1))
-        high = ordered.bitwise_right_shift(low).add_(self._places[lows : lows + count])
-        unpacked.index_fill_(0, high, 1)  # place lows + i: the low parts come first
-        packed = out.view(torch.uint8)
-        torch.sum(unpacked.view(-1, 8).mul_(self._byte_weights), 1, dtype=torch.uint8, out=packed)
+        count, low = ordered.numel(), self.low
+        if low:  # slot i's bit j at i · l + j (a bool takes any nonzero as set)
+            bits = ordered.unsqueeze(1).bitwise_and(self._low_masks)
+            unpacked[: count * low].view(count, low).copy_(bits)
+        high = ordered.bitwise_right_shift(low).add_(self._high_starts[:count])
+        unpacked.index_fill_(0, high, True)
+        bytes_ = unpacked.view(torch.uint8).view(-1, 8).mul(self._byte_masks)
+        torch.sum(bytes_, 1, dtype=torch.uint8, out=out.view(torch.uint8))
         return out
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's offsets (int64), rank after rank, each rank's ascending, from the
         gathered ``rows`` (n, ``words`` or more) and every rank's count, known to the host.
 
-        A set bit's slot is the number of set bits before it, so one running count places
-        every high part (a 1-D ``scatter_add_``, deterministic on CUDA too, into a row with one
-        column more that takes the unset bits' zeros). A slot past a rank's count, as where
-        every rank is answered this rank's message (``SymmetricPeers``' timings), reads as
-        offset 0, inside every range."""
+        The running count s of the high bits places them all: the bit at place p, where set,
+        is slot s - 1's, whose high part is p - (s - 1); one 1-D ``scatter_add_``
+        (deterministic on CUDA too) adds it, shifted, to the low part at column s of a row
+        with a column more, and an unset bit adds 0 beside it. A slot past a rank's count, as where every rank is
+        answered this rank's message (``SymmetricPeers``' timings), reads as offset 0, inside
+        every range."""
         n, device = rows.shape[0], rows.device
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=device)
         self._buffers(device)
-        bits = self._unpack(rows)
-        low, lows, width = self.low, self.capacity * self.low, self.capacity + 1
-        high = bits[:, lows : self.bits].long()
-        slot = high.cumsum(1)  # slot + 1 at a set bit
-        places = high.mul(self._places[: self.high_bits].add(1)).sub_(slot.mul(high))
-        at = slot.sub_(1 + self.capacity).mul_(high).add_(self._slot_rows(n, device))
-        table = torch.zeros(n * width, dtype=torch.long, device=device)
-        table.scatter_add_(0, at.view(-1), places.view(-1))  # ... where the bit is set, else 0
-        offsets = table.view(n, width)[:, : self.capacity].bitwise_left_shift_(low)
-        if low:
-            parts = bits[:, :lows].view(n, self.capacity, low).long().mul_(self._low_weights)
-            offsets.bitwise_or_(parts.sum(2))
-        return table.index_select(0, self._keep(counts, device))
+        bits, table = self._unpack(rows), self._table(n, device)
+        low, lows = self.low, self.capacity * self.low
+        if low:  # the low parts first, in place of the last table's offsets
+            parts = bits[:, :lows].view(n, self.capacity, low).mul(self._low_masks)
+            torch.sum(parts, 2, out=table[:, 1:])
+        else:
+            table[:, 1:].zero_()
+        high = bits[:, lows : self.bits]
+        at = high.cumsum(1, dtype=torch.long)  # s
+        parts = self._after_places.sub(at).mul_(high).bitwise_left_shift_(low)
+        at.add_(self._row_starts)  # p + 1 - s where set, else 0, at column s
+        table.view(-1).scatter_add_(0, at.view(-1), parts.view(-1))
+        return table.view(-1).index_select(0, self._keep(counts, device))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count (its set high bits), read on the host (one read back)."""
@@ -126,45 +127,43 @@ class EliasFano:
     def _unpack(self, rows: torch.Tensor) -> torch.Tensor:
         """(n, 8 · message bytes) of 0/1 bytes: every bit of every rank's message."""
         n = rows.shape[0]
-        packed = rows.reshape(n, -1)[:, : self.words].contiguous().view(torch.uint8)
-        bits = packed.unsqueeze(2).bitwise_right_shift(self._byte_shifts)
-        return bits.bitwise_and_(1).view(n, -1)
+        packed = rows.reshape(n, -1).view(torch.uint8)[:, : self.bytes]
+        return packed.unsqueeze(2).bitwise_and(self._byte_masks).ne_(0).view(n, -1)
 
     def _buffers(self, device: torch.device) -> torch.Tensor:
-        """The encoder's 0/1 byte per bit of the message, and the constants both sides use."""
+        """The encoder's bool per bit of the message, and the constants both sides use."""
         if self._unpacked.device != device or self._unpacked.numel() != 32 * self.words:
-            self._unpacked = torch.zeros(32 * self.words, dtype=torch.uint8, device=device)
-            self._places = torch.arange(32 * self.words, device=device)
-            self._low_shifts = torch.arange(self.low, device=device)
-            self._low_weights = torch.ones_like(self._low_shifts).bitwise_left_shift_(
-                self._low_shifts
-            )
-            self._byte_shifts = BYTE_BITS.to(device)
-            self._byte_weights = torch.ones_like(self._byte_shifts).bitwise_left_shift_(
-                self._byte_shifts
-            )
+            self._unpacked = torch.zeros(32 * self.words, dtype=torch.bool, device=device)
+            self._low_masks = torch.ones(self.low, dtype=torch.long, device=device)
+            self._low_masks.bitwise_left_shift_(torch.arange(self.low, device=device))
+            self._byte_masks = torch.ones(8, dtype=torch.uint8, device=device)
+            self._byte_masks.bitwise_left_shift_(BYTE_BITS.to(device))
+            lows = self.capacity * self.low  # the high parts follow the low ones
+            self._high_starts = torch.arange(lows, lows + self.capacity, device=device)
+            self._after_places = torch.arange(1, self.high_bits + 1, device=device)
         return self._unpacked
 
-    def _slot_rows(self, n: int, device: torch.device) -> torch.Tensor:
-        """Where each rank's row of ``capacity + 1`` slots ends, flattened, less one: a bit's
-        slot less ``capacity + 1``, plus this, lands in its rank's row (an unset bit, made
-        zero, at the row's last column)."""
+    def _table(self, n: int, device: torch.device) -> torch.Tensor:
+        """(n, capacity + 1) offsets, kept from call to call: column 0 stays 0 (it takes the
+        zeros of the unset bits before a row's first set one), slot i is column i + 1; and
+        where each row starts, flattened."""
         width = self.capacity + 1
-        if self._row_starts.shape[0] != n or self._row_starts.device != device:
-            self._row_starts = torch.arange(width, (n + 1) * width, width, device=device)
-            self._row_starts = self._row_starts.sub_(1).unsqueeze(1)
-        return self._row_starts
+        if self._offsets.shape[0] != n or self._offsets.device != device:
+            self._offsets = torch.zeros(n, width, dtype=torch.long, device=device)
+            self._row_starts = torch.arange(0, n * width, width, device=device).unsqueeze(1)
+        return self._offsets
 
     def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
-        """Where each rank's offsets lie in the (n, capacity + 1) table, flattened: made once
-        per pattern of counts (they rotate with the step: a few per rank)."""
+        """Where each rank's offsets lie in the (n, capacity + 1) table, flattened (slot i at
+        column i + 1): made once per pattern of counts (they rotate with the step: a few per
+        rank)."""
         key = (tuple(counts), device)
         keep = self._known.get(key)
         if keep is None:
             if len(self._known) > 4 * len(counts):
                 self._known.clear()
             width = self.capacity + 1
-            slots = [r * width + i for r, count in enumerate(counts)
+            slots = [r * width + 1 + i for r, count in enumerate(counts)
                      for i in range(count)]  # fmt: skip
             keep = self._known[key] = torch.tensor(slots, dtype=torch.long, device=device)
         return keep
