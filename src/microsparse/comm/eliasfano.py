@@ -5,11 +5,15 @@ owned partition) sends them as offsets into that range. Sorted, each offset spli
 ``low`` bits, l = ⌊log2(size / capacity)⌋ of them, written as they are, and its high part
 (offset >> l), written in unary: the i-th smallest offset sets bit high + i of a vector of
 capacity + ⌈size / 2**l⌉ bits. An offset then costs l + 1 + 2**-l · size / capacity bits, at
-most l + 3: 10.5 where a rank sends 0.27 % of its range, against 16 for an offset inside a
-65,536-entry chunk. The message's size is fixed by ``size`` and ``capacity`` alone (bits
-packed into int32 words, as gloo's all-gather takes no smaller integers), and the decoder
-finds the i-th set bit's high part as its place minus i, from a running count of the bits:
-nothing is read back to the host when every rank's count is known.
+most l + 3: 10.1 where a rank sends 0.35 % of its range, against 16 for an offset inside a
+65,536-entry chunk.
+
+The message's size is fixed by ``size`` and ``capacity`` alone, in int32 words (gloo's
+all-gather takes no smaller integers): first, packed bit by bit, the low parts' last l % 8
+bits and the high parts; then the low parts' other bits, l // 8 whole bytes a slot, so that
+neither side takes them apart bit by bit. The decoder finds the i-th set high bit's high part
+as its place minus i, from a running count of the bits: nothing is read back to the host when
+every rank's count is known.
 
 Example:
     >>> codec = EliasFano(size=64, capacity=4)     # 4 · 4 low bits, 4 + 63 >> 4 high bits
@@ -36,8 +40,8 @@ def position_bits(density: float) -> float:
     grows smoothly as the density falls, 2 + log2(1 / density) at powers of two).
 
     Example:
-        >>> position_bits(1 / 256), round(position_bits(0.00267), 2), position_bits(1.0)
-        (10.0, 10.46, 2.0)
+        >>> position_bits(1 / 256), round(position_bits(0.0035), 2), position_bits(1.0)
+        (10.0, 10.12, 2.0)
     """
     low = max(0, math.floor(math.log2(1.0 / density)))
     return low + 1 + 2.0**-low / density
@@ -56,13 +60,12 @@ class EliasFano:
         self.high_bits = ((size - 1) >> self.low) + capacity
         self.bits = capacity * self.low + self.high_bits
         """Bits of the code: the low parts, then the unary high parts."""
-        self.words = math.ceil(self.bits / 32)
+        self._whole, self._rest = divmod(self.low, 8)  # a low part's whole bytes, other bits
+        self._packed_bits = capacity * self._rest + self.high_bits
+        self._packed_bytes = math.ceil(self._packed_bits / 8)  # where the whole bytes start
+        self.words = math.ceil((self._packed_bytes + capacity * self._whole) / 4)
         """int32 words of one rank's message."""
-        self._low_masks = torch.empty(0, dtype=torch.long)
-        self._byte_masks = torch.empty(0, dtype=torch.uint8)
-        self._unpacked = torch.empty(0, dtype=torch.bool)
-        self._high_starts = torch.empty(0, dtype=torch.long)
-        self._after_places = torch.empty(0, dtype=torch.long)
+        self._device: torch.device | None = None
         self._offsets = torch.empty(0, 0, dtype=torch.long)
         self._row_starts = torch.empty(0, 1, dtype=torch.long)
         self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
@@ -74,74 +77,97 @@ class EliasFano:
 
     def encode(self, offsets: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The message (int32, ``words`` long) of ``offsets``: distinct, below ``size``, at most
-        ``capacity``, any order; written into ``out`` if given."""
-        device = offsets.device
+        ``capacity``, any order; written into ``out`` if given (whose bytes past the code
+        stay as they are: zero, where it was made by ``torch.zeros``)."""
+        self._constants(offsets.device)
         if out is None:
-            out = torch.empty(self.words, dtype=torch.int32, device=device)
-        unpacked = self._buffers(device)
-        unpacked.zero_()
+            out = torch.zeros(self.words, dtype=torch.int32, device=offsets.device)
+        message, unpacked = out.view(torch.uint8), self._unpacked
         ordered = offsets.sort().values
-        count, low = ordered.numel(), self.low
-        if low:  # slot i's bit j at i · l + j (a bool takes any nonzero as set)
-            bits = ordered.unsqueeze(1).bitwise_and(self._low_masks)
-            unpacked[: count * low].view(count, low).copy_(bits)
-        high = ordered.bitwise_right_shift(low).add_(self._high_starts[:count])
+        count, whole, rest, start = ordered.numel(), self._whole, self._rest, self._packed_bytes
+        if whole:  # a cast to uint8 keeps a byte's 8 bits
+            wholes = message[start : start + count * whole].view(count, whole)
+            wholes.copy_(ordered.unsqueeze(1).bitwise_right_shift(self._whole_shifts))
+            if count < self.capacity:  # what is not an offset must not leak
+                message[start + count * whole : start + self.capacity * whole].zero_()
+        unpacked.zero_()
+        if rest:  # slot i's bit j at i · rest + j (a bool takes any nonzero as set)
+            unpacked[: count * rest].view(count, rest).copy_(
+                ordered.unsqueeze(1).bitwise_and(self._rest_masks)
+            )
+        high = ordered.bitwise_right_shift(self.low).add_(self._high_starts[:count])
         unpacked.index_fill_(0, high, True)
-        bytes_ = unpacked.view(torch.uint8).view(-1, 8).mul(self._byte_masks)
-        torch.sum(bytes_, 1, dtype=torch.uint8, out=out.view(torch.uint8))
+        bits = unpacked.view(torch.uint8).view(-1, 8).mul(self._byte_masks)
+        torch.sum(bits, 1, dtype=torch.uint8, out=message[:start])
         return out
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Every rank's offsets (int64), rank after rank, each rank's ascending, from the
         gathered ``rows`` (n, ``words`` or more) and every rank's count, known to the host.
 
-        The running count s of the high bits places them all: the bit at place p, where set,
-        is slot s - 1's, whose high part is p - (s - 1); one 1-D ``scatter_add_``
-        (deterministic on CUDA too) adds it, shifted, to the low part at column s of a row
-        with a column more, and an unset bit adds 0 beside it. A slot past a rank's count, as where every rank is
-        answered this rank's message (``SymmetricPeers``' timings), reads as offset 0, inside
-        every range."""
+        The low parts are summed from their bytes and bits into a table kept from call to
+        call. The running count s of the high bits then places the high parts: the bit at
+        place p, where set, is slot s - 1's, whose high part is p - (s - 1); one 1-D
+        ``scatter_add_`` (deterministic on CUDA too) adds it, shifted, at column s of a row
+        with a column more, and an unset bit adds 0 beside it. A slot past a rank's count, as
+        where every rank is answered this rank's message (``SymmetricPeers``' timings), reads
+        as an offset below 2**l, inside every range."""
         n, device = rows.shape[0], rows.device
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=device)
-        self._buffers(device)
-        bits, table = self._unpack(rows), self._table(n, device)
-        low, lows = self.low, self.capacity * self.low
-        if low:  # the low parts first, in place of the last table's offsets
-            parts = bits[:, :lows].view(n, self.capacity, low).mul(self._low_masks)
-            torch.sum(parts, 2, out=table[:, 1:])
-        else:
-            table[:, 1:].zero_()
-        high = bits[:, lows : self.bits]
+        self._constants(device)
+        message = rows.reshape(n, -1).view(torch.uint8)
+        bits, table = self._unpack(message), self._table(n, device)
+        lows, whole, rest = table[:, 1:], self._whole, self._rest
+        if whole:
+            start = self._packed_bytes
+            parts = message[:, start : start + self.capacity * whole].view(n, self.capacity, whole)
+            torch.sum(parts.mul(self._whole_weights), 2, out=lows)
+        if rest:
+            parts = bits[:, : self.capacity * rest].view(n, self.capacity, rest)
+            if whole:
+                lows.add_(parts.mul(self._rest_masks).sum(2))
+            else:
+                torch.sum(parts.mul(self._rest_masks), 2, out=lows)
+        if not self.low:
+            lows.zero_()
+        high = bits[:, self.capacity * rest : self._packed_bits]
         at = high.cumsum(1, dtype=torch.long)  # s
-        parts = self._after_places.sub(at).mul_(high).bitwise_left_shift_(low)
+        parts = self._after_places.sub(at).mul_(high).bitwise_left_shift_(self.low)
         at.add_(self._row_starts)  # p + 1 - s where set, else 0, at column s
         table.view(-1).scatter_add_(0, at.view(-1), parts.view(-1))
         return table.view(-1).index_select(0, self._keep(counts, device))
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count (its set high bits), read on the host (one read back)."""
-        self._buffers(rows.device)
-        return self._unpack(rows)[:, self.capacity * self.low : self.bits].sum(1).tolist()
+        self._constants(rows.device)
+        bits = self._unpack(rows.reshape(rows.shape[0], -1).view(torch.uint8))
+        return bits[:, self.capacity * self._rest : self._packed_bits].sum(1).tolist()
 
-    def _unpack(self, rows: torch.Tensor) -> torch.Tensor:
-        """(n, 8 · message bytes) of 0/1 bytes: every bit of every rank's message."""
-        n = rows.shape[0]
-        packed = rows.reshape(n, -1).view(torch.uint8)[:, : self.bytes]
-        return packed.unsqueeze(2).bitwise_and(self._byte_masks).ne_(0).view(n, -1)
+    def _unpack(self, message: torch.Tensor) -> torch.Tensor:
+        """(n, packed bits) int64 of 0 and 1: every bit packed bit by bit, of every rank (the
+        shift by int64 amounts makes them int64 in the same kernel)."""
+        packed = message[:, : self._packed_bytes].unsqueeze(2)
+        return packed.bitwise_right_shift(self._bit_shifts).bitwise_and_(1).flatten(1)
 
-    def _buffers(self, device: torch.device) -> torch.Tensor:
-        """The encoder's bool per bit of the message, and the constants both sides use."""
-        if self._unpacked.device != device or self._unpacked.numel() != 32 * self.words:
-            self._unpacked = torch.zeros(32 * self.words, dtype=torch.bool, device=device)
-            self._low_masks = torch.ones(self.low, dtype=torch.long, device=device)
-            self._low_masks.bitwise_left_shift_(torch.arange(self.low, device=device))
-            self._byte_masks = torch.ones(8, dtype=torch.uint8, device=device)
-            self._byte_masks.bitwise_left_shift_(BYTE_BITS.to(device))
-            lows = self.capacity * self.low  # the high parts follow the low ones
-            self._high_starts = torch.arange(lows, lows + self.capacity, device=device)
-            self._after_places = torch.arange(1, self.high_bits + 1, device=device)
-        return self._unpacked
+    def _constants(self, device: torch.device) -> None:
+        """The encoder's bool per packed bit, and the constants both sides use, on ``device``."""
+        if self._device == device:
+            return
+        self._device = device
+        capacity, whole, rest = self.capacity, self._whole, self._rest
+        self._unpacked = torch.zeros(8 * self._packed_bytes, dtype=torch.bool, device=device)
+        self._bit_shifts = torch.arange(8, device=device)
+        bytes_ = torch.arange(whole, device=device).mul_(8).add_(rest)  # bit of each byte
+        self._whole_shifts = bytes_
+        self._whole_weights = torch.ones_like(bytes_).bitwise_left_shift_(bytes_)
+        self._rest_masks = torch.ones(rest, dtype=torch.long, device=device)
+        self._rest_masks.bitwise_left_shift_(torch.arange(rest, device=device))
+        self._byte_masks = torch.ones(8, dtype=torch.uint8, device=device)
+        self._byte_masks.bitwise_left_shift_(BYTE_BITS.to(device))
+        rests = capacity * rest  # the high parts follow the low parts' last bits
+        self._high_starts = torch.arange(rests, rests + capacity, device=device)
+        self._after_places = torch.arange(1, self.high_bits + 1, device=device)
 
     def _table(self, n: int, device: torch.device) -> torch.Tensor:
         """(n, capacity + 1) offsets, kept from call to call: column 0 stays 0 (it takes the
