@@ -358,7 +358,7 @@ def test_overhead_times_a_variant_of_micro(tmp_path):
 
 
 def test_the_simulator_counts_the_compact_wire_at_its_own_sizes(tmp_path):
-    """16-bit positions and 8-bit values (on 4 ranks): about 3/8 of the plain wire's bytes,
+    """Elias-Fano offsets and 8-bit values (on 4 ranks): under 0.4 of the plain wire's bytes,
     as the step sends."""
     code = main(["simulate", "--workers", "4", "--steps", "3", "--warmup", "1", "--numel",
                  "100000", "--sparsifiers", "micro(wire=plain),micro", "--no-plots",

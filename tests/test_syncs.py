@@ -145,7 +145,7 @@ def test_micro_hook_step_makes_no_sync(options, tmp_path) -> None:
 
 
 def test_micro_compact_wire_step_makes_no_sync(tmp_path) -> None:
-    """16-bit offsets decoded at the quotas' known total: nothing read back either."""
+    """Elias-Fano offsets decoded at the quotas' known total: nothing read back either."""
     for syncs in run_ranks(compact_reducer_worker, 2, tmp_path):
         assert syncs.total == 0, syncs
 
