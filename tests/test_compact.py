@@ -90,19 +90,19 @@ def test_slots_past_a_ranks_count_decode_as_offset_zero() -> None:
 
 
 def test_bits_past_the_code_are_zero_and_the_message_is_whole_words() -> None:
-    """l = 13: each offset's last 5 low bits and the 5 + 7 high bits packed in one 64-bit
-    word, then a byte a slot of its other 8 low bits: 13 bytes in 4 int32 words."""
+    """l = 13: each offset's last 5 low bits and the 5 + 7 high bits packed bit by bit in 5
+    bytes, then a byte a slot of its other 8 low bits: 10 bytes in 3 int32 words."""
     codec = EliasFano(1 << 16, 5)
-    assert (codec.low, codec.bits, codec.words) == (13, 77, 4)
+    assert (codec.low, codec.bits, codec.words) == (13, 77, 3)
     offsets = [3, 70_000 - (1 << 16)]  # 3: low 3, high 0; 4,464: low 4,464, high 0
     message = codec.encode(torch.tensor(offsets[::-1])).view(torch.uint8)
     shifts = torch.arange(8, dtype=torch.uint8)
-    packed = message[:8].unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).view(-1)
+    packed = message[:5].unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).view(-1)
     assert packed[:10].tolist() == [1, 1, 0, 0, 0, 0, 0, 0, 0, 1]  # 3's last 5 bits, 4,464's
     assert packed[25:37].tolist() == [1, 1] + [0] * 10  # both high parts 0: bits 0 + 0, 0 + 1
     assert int(packed[37:].sum()) == 0
-    assert message[8:].tolist() == [0, 139, 0, 0, 0, 0, 0, 0]  # the other 8 low bits: 4,464 >> 5
-    assert Compact.collectives(slots=2 * codec.words, index_bytes=4) == [("all_gather", 16)]
+    assert message[5:].tolist() == [0, 139, 0, 0, 0, 0, 0]  # the other 8 low bits: 4,464 >> 5
+    assert Compact.collectives(slots=2 * codec.words, index_bytes=4) == [("all_gather", 12)]
 
 
 # ---------------------------------------------------------------------------------------------
