@@ -520,7 +520,7 @@ def test_the_hook_over_one_slab_is_the_loop_api(name: str, tmp_path_factory) -> 
 def test_what_the_wire_sends_is_what_it_prices_and_records(name: str) -> None:
     """``wire_values`` (which a state's checkpoint records and a budget prices) is the dtype
     the bound sparsifier's framing sends, on every number of ranks, and ``entry_bytes``
-    prices that framing at that dtype."""
+    prices that framing at that dtype and the sparsifier's density."""
     base, options = VARIANTS.get(name, (name, {}))
     layout = Layout.of([("w", torch.zeros(70_000)), ("b", torch.zeros(30))])
     for world_size in (1, 4, 16, 17, 64):
@@ -528,4 +528,5 @@ def test_what_the_wire_sends_is_what_it_prices_and_records(name: str) -> None:
         sparsifier.bind(layout, rank=world_size - 1, world_size=world_size)
         framing, values = sparsifier.framing(), sparsifier.wire_values(world_size)
         assert framing.value_dtype == values, (name, world_size)
-        assert sparsifier.entry_bytes(world_size=world_size) == type(framing).entry_bytes(values)
+        priced = type(framing).entry_bytes(values, DENSITY)
+        assert sparsifier.entry_bytes(world_size=world_size) == priced
