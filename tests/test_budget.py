@@ -346,3 +346,21 @@ def test_bench_accuracy_refuses_density_beside_budget(capsys) -> None:
         main(["bench", "accuracy", "--density", "0.01", "--budget", "0.002"])
     assert raised.value.code == 2
     assert "argument --budget: give --density or --budget, not both" in capsys.readouterr().err
+
+
+def test_a_state_saved_at_another_density_names_the_density_that_continues_it() -> None:
+    """A state saved while the default budget bought 16-bit offsets' density (8/3 · 0.001)
+    is refused by a reducer left to the defaults, which buy more entries now: the error
+    names the option and the value that continues the run."""
+    saved = GradientReducer(torch.nn.Linear(50, 4).parameters(), "micro", 0.002 * 4 / 3)
+    state = saved.state_dict()
+    default = GradientReducer(torch.nn.Linear(50, 4).parameters())
+    with pytest.raises(ValueError) as refused:
+        default.load_state_dict(state)
+    message = str(refused.value)
+    assert f"density: saved {0.002 * 4 / 3!r}, here {default.sparsifier.density!r}" in message
+    assert f"to continue that run, pass density={0.002 * 4 / 3!r}" in message
+    assert "sparsifier options" not in message  # only what differs
+    continued = GradientReducer(torch.nn.Linear(50, 4).parameters(), density=0.002 * 4 / 3)
+    continued.load_state_dict(state)
+    assert continued.step == saved.step

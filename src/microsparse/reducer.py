@@ -289,6 +289,21 @@ class GradientReducer:
     def _fingerprint(self) -> str:
         return "|".join(self._config().values())
 
+    def _refusal(self, saved: str) -> str:
+        """Why a state saved as ``saved`` does not load here, naming what differs."""
+        config, values = self._config(), saved.split("|")
+        if len(values) != len(config):
+            differs = f"{saved!r} vs {self._fingerprint()!r}"
+        else:
+            differs = "; ".join(f"{name}: saved {old}, here {new}" for (name, new), old
+                                in zip(config.items(), values) if old != new)  # fmt: skip
+        fix = ""
+        if len(values) == len(config) and values[2] != config["density"]:
+            fix = (f"; to continue that run, pass density={values[2]} (what a budget buys "
+                   "changes with what an entry costs on the wire)")
+        return (f"state was saved by a reducer with a different layout, sparsifier, density or "
+                f"options ({differs}){fix}")  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly: step, residual, sparsifier state.
 
@@ -313,10 +328,7 @@ class GradientReducer:
         saved = (state.get("rank", self.rank), state.get("world_size", self.world_size))
         check_saved_by(saved, self.rank, self.world_size, "reducer")
         if state.get("fingerprint") != self._fingerprint():
-            raise ValueError(
-                "state was saved by a reducer with a different layout, sparsifier, density or "
-                f"options ({state.get('fingerprint')!r} vs {self._fingerprint()!r})"
-            )
+            raise ValueError(self._refusal(str(state.get("fingerprint"))))
         self._feedback.residual.copy_(state["residual"])
         if self._feedback.velocity is not None:
             self._feedback.velocity.copy_(state["velocity"])
