@@ -16,8 +16,8 @@ learn all positions, and back into one position list that is identical on every 
   quotas), the positions are decoded without reading anything back to the host.
 - :class:`Compact`: as ``Fixed`` with every count known, for positions that each lie in a
   range of the rank's own that every rank knows (MiCRO's owned partition): offsets into it in
-  Elias–Fano form (``comm/eliasfano.py``), about 2 + log2(1 / density) bits each (10.5 at
-  0.27 %) instead of ``Fixed``'s 32. The values then travel as the wire chooses (8-bit
+  Elias–Fano form (``comm/eliasfano.py``), about 2 + log2(1 / density) bits each (10.1 at
+  0.35 %) instead of ``Fixed``'s 32. The values then travel as the wire chooses (8-bit
   integers on a shared scale up to 16 ranks) unless the user names a dtype.
 - :class:`Shared`: every rank already holds the same positions (a leader's plan); only the
   step is checked.
@@ -419,7 +419,7 @@ class Compact(Framing):
 
     Each rank's message holds ``capacity`` offsets below the largest range's size u in
     ``capacity · l + (u - 1 >> l) + capacity`` bits (l = ⌊log2(u / capacity)⌋; about
-    2 + log2(u / capacity) bits an offset, 10.5 where a rank sends 0.27 % of its range),
+    2 + log2(u / capacity) bits an offset, 10.1 where a rank sends 0.35 % of its range),
     rounded up to whole words; where the engine hands over its guard (:attr:`Proposal.guard`),
     its two words follow, and the step takes no guard round of its own; where the values
     travel as 8-bit integers, the rank's largest |value| (float32) takes one word more.
