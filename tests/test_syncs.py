@@ -240,8 +240,10 @@ def fresh_bytes_worker(rank: int, n: int, options: dict) -> dict[int, int]:
 def test_micro_reducer_step_makes_nothing_of_the_gradients_size(options, tmp_path) -> None:
     """A steady step makes new tensors of O(k) bytes (positions, values, their messages),
     reused by the caching allocator on a GPU, and nothing that grows with d: 8 times the
-    gradient at the same k makes no more (with a shared threshold, a histogram's and a
+    gradient at the same k makes at most the compact offsets' few more bits each (their
+    low bits grow with log2(d/k), from 8 to 11 here, and the decoder takes the packed ones
+    apart into int64), far from 8 times (with a shared threshold, a histogram's and a
     message's slack more)."""
     for made in run_ranks(fresh_bytes_worker, 2, tmp_path, options):
         small, large = made[200_000], made[1_600_000]
-        assert 0 < large <= small * 1.05 and small <= 400 * FRESH_K, made
+        assert 0 < large <= small * 1.4 and small <= 400 * FRESH_K, made
