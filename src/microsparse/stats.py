@@ -167,9 +167,11 @@ class StepStats:
     def padding_overhead(self) -> float:
         """Index-exchange padding overhead n · max_r k_r / K − 1 (0 when perfectly balanced).
 
-        0 for ``shared`` and ``dense`` exchanges, which all-gather no indices.
+        0 for ``shared`` and ``dense`` exchanges, which all-gather no indices, and for
+        ``compact``, whose coded offsets fill no slots (with quotas every rank's count is its
+        share, or one short).
         """
-        if self.selected == 0 or self.exchange in ("shared", "dense"):
+        if self.selected == 0 or self.exchange in ("shared", "dense", "compact"):
             return 0.0
         return self.world_size * self.max_local_selected / self.selected - 1.0
 
