@@ -298,8 +298,9 @@ class GradientReducer:
             differs = "; ".join(f"{name}: saved {old}, here {new}" for (name, new), old
                                 in zip(config.items(), values) if old != new)  # fmt: skip
         fix = ""
-        if len(values) == len(config) and values[2] != config["density"]:
-            fix = (f"; to continue that run, pass density={values[2]} (what a budget buys "
+        saved_density = dict(zip(config, values)).get("density", config["density"])
+        if len(values) == len(config) and saved_density != config["density"]:
+            fix = (f"; to continue that run, pass density={saved_density} (what a budget buys "
                    "changes with what an entry costs on the wire)")
         return (f"state was saved by a reducer with a different layout, sparsifier, density or "
                 f"options ({differs}){fix}")  # fmt: skip

@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from microsparse.comm.slots import KeptSlots
+
 BYTE_BITS = torch.arange(8, dtype=torch.uint8)
 """A byte's bits, lowest first."""
 
@@ -68,7 +70,7 @@ class EliasFano:
         self._device: torch.device | None = None
         self._offsets = torch.empty(0, 0, dtype=torch.long)
         self._row_starts = torch.empty(0, 1, dtype=torch.long)
-        self._known: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._kept = KeptSlots()  # slot i of a rank's row at column i + 1
 
     @property
     def bytes(self) -> int:
@@ -136,7 +138,8 @@ class EliasFano:
         parts = self._after_places.sub(at).mul_(high).bitwise_left_shift_(self.low)
         at.add_(self._row_starts)  # p + 1 - s where set, else 0, at column s
         table.view(-1).scatter_add_(0, at.view(-1), parts.view(-1))
-        return table.view(-1).index_select(0, self._keep(counts, device))
+        keep = self._kept.index(counts, self.capacity + 1, first=1, device=device)
+        return table.view(-1).index_select(0, keep)
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count (its set high bits), read on the host (one read back)."""
@@ -178,18 +181,3 @@ class EliasFano:
             self._offsets = torch.zeros(n, width, dtype=torch.long, device=device)
             self._row_starts = torch.arange(0, n * width, width, device=device).unsqueeze(1)
         return self._offsets
-
-    def _keep(self, counts: list[int], device: torch.device) -> torch.Tensor:
-        """Where each rank's offsets lie in the (n, capacity + 1) table, flattened (slot i at
-        column i + 1): made once per pattern of counts (they rotate with the step: a few per
-        rank)."""
-        key = (tuple(counts), device)
-        keep = self._known.get(key)
-        if keep is None:
-            if len(self._known) > 4 * len(counts):
-                self._known.clear()
-            width = self.capacity + 1
-            slots = [r * width + 1 + i for r, count in enumerate(counts)
-                     for i in range(count)]  # fmt: skip
-            keep = self._known[key] = torch.tensor(slots, dtype=torch.long, device=device)
-        return keep

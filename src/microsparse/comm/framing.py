@@ -42,6 +42,7 @@ import torch
 
 from microsparse.comm.collectives import Collective, Kind, check_steps, index_dtype
 from microsparse.comm.eliasfano import EliasFano, position_bits
+from microsparse.comm.slots import KeptSlots
 from microsparse.errors import ConfigMismatchError
 
 Exchange = Generator[Collective, torch.Tensor, "Exchanged"]
@@ -173,7 +174,7 @@ class _Positions:
 
     def __init__(self) -> None:
         self._slot = torch.empty(0, dtype=torch.long)
-        self._known: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
+        self._kept = KeptSlots()
 
     def decode(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         n, slots = rows.shape
@@ -192,13 +193,7 @@ class _Positions:
         n, slots = rows.shape
         if all(count == slots for count in counts):
             return rows.reshape(-1).long()
-        key = (tuple(counts), slots, rows.device)
-        keep = self._known.get(key)
-        if keep is None:
-            if len(self._known) > 4 * n:  # patterns rotate with the step: a few per rank
-                self._known.clear()
-            index = [r * slots + i for r, count in enumerate(counts) for i in range(count)]
-            keep = self._known[key] = torch.tensor(index, dtype=torch.long, device=rows.device)
+        keep = self._kept.index(counts, slots, device=rows.device)
         return rows.reshape(-1).index_select(0, keep).long()
 
 
