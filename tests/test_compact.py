@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import microsparse.comm.collectives as collectives
 from distributed import run_ranks
 from microsparse import GradientReducer
+from microsparse.comm import eliasfano
 from microsparse.comm.collectives import all_gather_bytes, all_reduce_bytes
 from microsparse.comm.eliasfano import EliasFano, position_bits
 from microsparse.comm.framing import Compact, Fixed
@@ -36,11 +37,13 @@ def random_offsets(generator: torch.Generator, size: int, count: int) -> torch.T
 
 @pytest.mark.parametrize(
     ("size", "capacity"),
-    [(1000, 37), (300_000, 4000), (140_000, 70_000), (1, 1), (5, 5), (70_000, 1), (4096, 16)],
-)
+    [(1000, 37), (300_000, 4000), (140_000, 70_000), (1, 1), (5, 5), (70_000, 1), (4096, 16),
+     (5000, 9), (1 << 20, 1000), (1 << 22, 3)],
+)  # fmt: skip
 def test_the_codec_gives_back_every_ranks_offsets_in_order(size: int, capacity: int) -> None:
     """Full, nearly full, half full and empty messages; ranges one entry long, taken whole,
-    or a power of two times the capacity (l exact)."""
+    or a power of two times the capacity (l exact); l from 0 to 20: low parts of bits alone,
+    of one whole byte and 0, 1 or 2 bits, of two whole bytes and 0 or 4 bits."""
     generator = torch.Generator().manual_seed(size)
     codec = EliasFano(size, capacity)
     counts = [capacity, capacity - 1, 0, capacity // 2]
@@ -65,6 +68,15 @@ def test_the_code_is_the_elias_fano_size_and_its_price(size: int, capacity: int)
     assert codec.words == math.ceil(codec.bits / 32)
 
 
+def test_numpys_sort_on_the_host_codes_as_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's shortcut (``HOST_SORT``) writes the message the device's path writes."""
+    codec = EliasFano(300_000, 4000)
+    offsets = random_offsets(torch.Generator().manual_seed(3), 300_000, 3999)
+    host = codec.encode(offsets).clone()
+    monkeypatch.setattr(eliasfano, "HOST_SORT", False)
+    assert torch.equal(codec.encode(offsets), host)
+
+
 def test_clustered_and_extreme_offsets() -> None:
     """Every entry of a range (no low bits), its two ends alone, and a run of consecutive
     offsets that sets a run of high bits."""
@@ -79,14 +91,16 @@ def test_clustered_and_extreme_offsets() -> None:
     assert torch.equal(codec.decode(codec.encode(run).unsqueeze(0), [300]), run)
 
 
-def test_slots_past_a_ranks_count_decode_as_offset_zero() -> None:
+def test_slots_past_a_ranks_count_decode_below_two_to_the_low() -> None:
     """Where the host's counts exceed a message's own (every rank answered one rank's message,
-    as in ``SymmetricPeers``' timings), the extra slots read as offset 0, inside the range."""
+    as in ``SymmetricPeers``' timings), the extra slots have no high bit: they read below
+    2**l (l = 3 here), the low bits 0 less (slot + 1) << l, which the caller clamps."""
     codec = EliasFano(48, capacity=6)
     message = codec.encode(torch.tensor([40, 2, 17]))
     rows = message.unsqueeze(0).expand(2, codec.words)
     decoded = codec.decode(rows, [3, 6])
-    assert decoded.tolist() == [2, 17, 40, 2, 17, 40, 0, 0, 0]
+    assert codec.low == 3
+    assert decoded.tolist() == [2, 17, 40, 2, 17, 40, -32, -40, -48]
 
 
 def test_bits_past_the_code_are_zero_and_the_message_is_whole_words() -> None:

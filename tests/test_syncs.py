@@ -21,6 +21,8 @@ import microsparse
 import microsparse.ddp
 import microsparse.fsdp
 from distributed import run_ranks
+from microsparse.comm import eliasfano
+from microsparse.comm.eliasfano import EliasFano
 from microsparse_lab.bench import syncs_table
 from microsparse_lab.bench.syncs import SYNC_METHODS, HostSyncs, count_host_syncs
 from microsparse_lab.bench.syncs_table import (  # one model, step and count for both
@@ -108,6 +110,17 @@ def test_restores_the_tensor_methods_after_an_error() -> None:
         count_host_syncs(lambda: 1 / 0)
     assert not set(SYNC_METHODS) & set(torch.Tensor.__dict__)
     assert torch.tensor([1, 2]).tolist() == [1, 2]
+
+
+def test_counts_the_path_a_gpu_runs_not_the_hosts_shortcut() -> None:
+    """The compact wire sorts with NumPy on the host (``.numpy()`` counts as a copy from the
+    device); while counting, it sorts as on a GPU, and afterwards as before."""
+    codec, offsets = EliasFano(10_000, 50), torch.randperm(10_000)[:50]
+    assert count_host_syncs(lambda: codec.encode(offsets)).total == 0.0
+    assert eliasfano.HOST_SORT
+    with pytest.raises(ZeroDivisionError):
+        count_host_syncs(lambda: 1 / 0)
+    assert eliasfano.HOST_SORT
 
 
 def test_counts_an_item_in_a_hooks_then_stage_on_a_gloo_thread(tmp_path) -> None:
@@ -219,8 +232,10 @@ FRESH_K = 400
 
 
 def fresh_bytes_worker(rank: int, n: int, options: dict) -> dict[int, int]:
-    """Bytes of new tensors a steady ``synchronize()`` makes, by gradient size, at one k."""
+    """Bytes of new tensors a steady ``synchronize()`` makes, by gradient size, at one k, on
+    the path a GPU runs (NumPy's arrays on the host are not tensors the count could see)."""
     torch.set_num_threads(1)
+    eliasfano.HOST_SORT = False
     made = {}
     for numel in (200_000, 1_600_000):
         params = [torch.nn.Parameter(torch.zeros(numel // 2)) for _ in range(2)]
@@ -241,9 +256,9 @@ def test_micro_reducer_step_makes_nothing_of_the_gradients_size(options, tmp_pat
     """A steady step makes new tensors of O(k) bytes (positions, values, their messages),
     reused by the caching allocator on a GPU, and nothing that grows with d: 8 times the
     gradient at the same k makes at most the compact offsets' few more bits each (their
-    low bits grow with log2(d/k), from 8 to 11 here, and the decoder takes the packed ones
-    apart into int64), far from 8 times (with a shared threshold, a histogram's and a
-    message's slack more)."""
+    low bits grow with log2(d/k), from 8 to 11 here, and the decoder takes the 3 that are
+    not a whole byte apart into int64), far from 8 times (with a shared threshold, a
+    histogram's and a message's slack more)."""
     for made in run_ranks(fresh_bytes_worker, 2, tmp_path, options):
         small, large = made[200_000], made[1_600_000]
-        assert 0 < large <= small * 1.4 and small <= 400 * FRESH_K, made
+        assert 0 < large <= small * 1.5 and small <= 400 * FRESH_K, made

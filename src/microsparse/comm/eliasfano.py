@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
 from microsparse.comm.slots import KeptSlots
@@ -47,6 +48,19 @@ def position_bits(density: float) -> float:
     """
     low = max(0, math.floor(math.log2(1.0 / density)))
     return low + 1 + 2.0**-low / density
+
+
+HOST_SORT = True
+"""Sort offsets in host memory with NumPy: torch.sort sorts (value, index) pairs there, six
+times slower at a few thousand entries (90 µs against 15 at 2,793). False: torch.sort on
+every device, the path a GPU runs (what a count of host syncs on the CPU sets)."""
+
+
+def _ascending(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (int64) in ascending order (NumPy's array shares the tensor's memory)."""
+    if HOST_SORT and values.device.type == "cpu":
+        return torch.from_numpy(numpy.sort(values.numpy()))
+    return values.sort().values
 
 
 class EliasFano:
@@ -85,11 +99,14 @@ class EliasFano:
         if out is None:
             out = torch.zeros(self.words, dtype=torch.int32, device=offsets.device)
         message, unpacked = out.view(torch.uint8), self._unpacked
-        ordered = offsets.sort().values
+        ordered = _ascending(offsets)
         count, whole, rest, start = ordered.numel(), self._whole, self._rest, self._packed_bytes
         if whole:  # a cast to uint8 keeps a byte's 8 bits
             wholes = message[start : start + count * whole].view(count, whole)
-            wholes.copy_(ordered.unsqueeze(1).bitwise_right_shift(self._whole_shifts))
+            if whole == 1:  # as for every l from 8 to 15: one shift at most
+                wholes.copy_((ordered.bitwise_right_shift(rest) if rest else ordered).view(-1, 1))
+            else:
+                wholes.copy_(ordered.unsqueeze(1).bitwise_right_shift(self._whole_shifts))
             if count < self.capacity:  # what is not an offset must not leak
                 message[start + count * whole : start + self.capacity * whole].zero_()
         unpacked.zero_()
@@ -107,39 +124,51 @@ class EliasFano:
         """Every rank's offsets (int64), rank after rank, each rank's ascending, from the
         gathered ``rows`` (n, ``words`` or more) and every rank's count, known to the host.
 
-        The low parts are summed from their bytes and bits into a table kept from call to
-        call. The running count s of the high bits then places the high parts: the bit at
-        place p, where set, is slot s - 1's, whose high part is p - (s - 1); one 1-D
-        ``scatter_add_`` (deterministic on CUDA too) adds it, shifted, at column s of a row
-        with a column more, and an unset bit adds 0 beside it. A slot past a rank's count, as
-        where every rank is answered this rank's message (``SymmetricPeers``' timings), reads
-        as an offset below 2**l, inside every range."""
+        Each row of a table kept from call to call gets slot i at column s = i + 1: first its
+        low part less s << l, then, from one 1-D ``scatter_add_`` (deterministic on CUDA too),
+        (p + 1) << l from the high bit at place p whose running count is s, the s-th set bit of
+        the row: (p + 1 - s) << l is the slot's high part, p minus the set bits before it,
+        shifted. An unset bit adds 0 at the column of its running count. A slot past a rank's
+        count, as where every rank is answered this rank's message (``SymmetricPeers``'
+        timings), has no set bit: it reads below 2**l, negative where its low bits are 0 (the
+        caller keeps offsets inside the ranges)."""
         n, device = rows.shape[0], rows.device
         if sum(counts) == 0:
             return torch.empty(0, dtype=torch.long, device=device)
         self._constants(device)
         message = rows.reshape(n, -1).view(torch.uint8)
         bits, table = self._unpack(message), self._table(n, device)
-        lows, whole, rest = table[:, 1:], self._whole, self._rest
-        if whole:
-            start = self._packed_bytes
-            parts = message[:, start : start + self.capacity * whole].view(n, self.capacity, whole)
-            torch.sum(parts.mul(self._whole_weights), 2, out=lows)
-        if rest:
-            parts = bits[:, : self.capacity * rest].view(n, self.capacity, rest)
-            if whole:
-                lows.add_(parts.mul(self._rest_masks).sum(2))
-            else:
-                torch.sum(parts.mul(self._rest_masks), 2, out=lows)
-        if not self.low:
-            lows.zero_()
-        high = bits[:, self.capacity * rest : self._packed_bits]
+        self._write_lows(message, bits, table[:, 1:])
+        high = bits[:, self.capacity * self._rest : self._packed_bits]
         at = high.cumsum(1, dtype=torch.long)  # s
-        parts = self._after_places.sub(at).mul_(high).bitwise_left_shift_(self.low)
-        at.add_(self._row_starts)  # p + 1 - s where set, else 0, at column s
-        table.view(-1).scatter_add_(0, at.view(-1), parts.view(-1))
+        placed = torch.mul(self._placed, high)  # (p + 1) << l where set, else 0
+        at.add_(self._row_starts)
+        table.view(-1).scatter_add_(0, at.view(-1), placed.view(-1))
         keep = self._kept.index(counts, self.capacity + 1, first=1, device=device)
         return table.view(-1).index_select(0, keep)
+
+    def _write_lows(self, message: torch.Tensor, bits: torch.Tensor, lows: torch.Tensor) -> None:
+        """Slot i's low part less (i + 1) << l, of every rank, into ``lows`` (n, capacity):
+        from its whole bytes (one ``addcmul`` where there is one, as for every l from 8 to 15)
+        and its last l % 8 bits."""
+        n, capacity, whole, rest = lows.shape[0], self.capacity, self._whole, self._rest
+        if whole:
+            start = self._packed_bytes
+            parts = message[:, start : start + capacity * whole].view(n, capacity, whole)
+            if whole == 1:
+                torch.addcmul(self._less, parts.squeeze(2), self._whole_weights, out=lows)
+            else:
+                torch.sum(parts.mul(self._whole_weights), 2, out=lows).add_(self._less)
+        if rest == 1 and whole:  # as for l = 9: the bit itself
+            lows.add_(bits[:, :capacity])
+        elif rest:
+            parts = bits[:, : capacity * rest].view(n, capacity, rest).mul(self._rest_masks)
+            if whole:
+                lows.add_(parts.sum(2))
+            else:
+                torch.sum(parts, 2, out=lows).add_(self._less)
+        if not self.low:
+            lows.copy_(self._less)
 
     def counts(self, rows: torch.Tensor) -> list[int]:
         """Every rank's count (its set high bits), read on the host (one read back)."""
@@ -148,10 +177,10 @@ class EliasFano:
         return bits[:, self.capacity * self._rest : self._packed_bits].sum(1).tolist()
 
     def _unpack(self, message: torch.Tensor) -> torch.Tensor:
-        """(n, packed bits) int64 of 0 and 1: every bit packed bit by bit, of every rank (the
-        shift by int64 amounts makes them int64 in the same kernel)."""
-        packed = message[:, : self._packed_bytes].unsqueeze(2)
-        return packed.bitwise_right_shift(self._bit_shifts).bitwise_and_(1).flatten(1)
+        """(n, packed bits) int64 of 0 and 1: every bit packed bit by bit, of every rank, each
+        byte's 8 looked up in a table of 256 rows."""
+        packed = message[:, : self._packed_bytes].long()
+        return self._byte_bits.index_select(0, packed.view(-1)).view(packed.shape[0], -1)
 
     def _constants(self, device: torch.device) -> None:
         """The encoder's bool per packed bit, and the constants both sides use, on ``device``."""
@@ -160,7 +189,8 @@ class EliasFano:
         self._device = device
         capacity, whole, rest = self.capacity, self._whole, self._rest
         self._unpacked = torch.zeros(8 * self._packed_bytes, dtype=torch.bool, device=device)
-        self._bit_shifts = torch.arange(8, device=device)
+        self._byte_bits = torch.arange(256, device=device).unsqueeze(1)
+        self._byte_bits = self._byte_bits.bitwise_right_shift(torch.arange(8, device=device)) & 1
         bytes_ = torch.arange(whole, device=device).mul_(8).add_(rest)  # bit of each byte
         self._whole_shifts = bytes_
         self._whole_weights = torch.ones_like(bytes_).bitwise_left_shift_(bytes_)
@@ -170,7 +200,8 @@ class EliasFano:
         self._byte_masks.bitwise_left_shift_(BYTE_BITS.to(device))
         rests = capacity * rest  # the high parts follow the low parts' last bits
         self._high_starts = torch.arange(rests, rests + capacity, device=device)
-        self._after_places = torch.arange(1, self.high_bits + 1, device=device)
+        self._placed = torch.arange(1, self.high_bits + 1, device=device) << self.low
+        self._less = torch.arange(1, capacity + 1, device=device).mul_(-1 << self.low)
 
     def _table(self, n: int, device: torch.device) -> torch.Tensor:
         """(n, capacity + 1) offsets, kept from call to call: column 0 stays 0 (it takes the

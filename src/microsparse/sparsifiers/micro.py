@@ -428,9 +428,10 @@ class _Owned:
     message: rank r's positions at step t are offsets into partition (t + r) mod n.
 
     A partition is rows of entries (interleaved: its blocks; contiguous: one row), so every
-    rank's offsets map to flat positions through one table of row starts, the ranks' tables
-    end to end: a handful of kernels whatever n. The per-pick row bases are made once per
-    pattern of owners and counts (they rotate with the step: a few per rank)."""
+    rank's offsets map to flat positions through one table of row starts (each less the offset
+    its row begins at), the ranks' tables end to end: a handful of kernels whatever n. The
+    per-pick row bases are made once per pattern of owners and counts (they rotate with the
+    step: a few per rank)."""
 
     def __init__(self, micro: Micro) -> None:
         self._micro = micro
@@ -447,15 +448,15 @@ class _Owned:
         return self._partitions.offsets(part, positions)
 
     def positions(self, step: int, offsets: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        row, table, first, last = self._plan(step, counts, offsets.device)
-        # Past a rank's range only where every rank is answered this rank's message
-        # (SymmetricPeers' timings) and another's partition is shorter: kept inside it.
-        offsets = torch.minimum(offsets, last)
+        row, table, first, last, zero = self._plan(step, counts, offsets.device)
+        # Outside a rank's range only where every rank is answered this rank's message
+        # (SymmetricPeers' timings): past its count (below 0) or past a shorter partition.
+        offsets = torch.clamp(offsets, zero, last)
         if row & (row - 1):
-            rows = torch.div(offsets, row, rounding_mode="floor").add_(first)
-            return table.index_select(0, rows).add_(offsets % row)
-        rows = torch.bitwise_right_shift(offsets, row.bit_length() - 1).add_(first)
-        return table.index_select(0, rows).add_(offsets.bitwise_and_(row - 1))
+            rows = torch.div(offsets, row, rounding_mode="floor")
+        else:
+            rows = torch.bitwise_right_shift(offsets, row.bit_length() - 1)
+        return table.index_select(0, rows.add_(first)).add_(offsets)
 
     def _plan(self, step: int, counts: list[int], device: torch.device) -> tuple[Any, ...]:
         n = self._world_size
@@ -472,6 +473,10 @@ class _Owned:
             repeats = torch.tensor(counts)
             first = torch.repeat_interleave(bases, repeats).to(device)
             last = torch.repeat_interleave(sizes - 1, repeats).to(device)
-            table = torch.cat([starts for _, starts in tables]).to(device)
-            plan = self._plans[key] = (row, table, first, last)
+            # Each row's start less the offset that begins it: a position is its row's entry
+            # plus the whole offset, with no remainder to take.
+            table = torch.cat([starts - torch.arange(len(starts)) * row for _, starts in tables])
+            table = table.to(device)
+            zero = torch.zeros((), dtype=torch.long, device=device)
+            plan = self._plans[key] = (row, table, first, last, zero)
         return plan

@@ -25,7 +25,9 @@ What is counted, and how (see :data:`SYNC_OPS`):
   ``repeat_interleave`` without ``output_size`` (two, as on CUDA), ``histc`` with its default
   range, ``allclose``;
 - only events that start while the work runs count, on any thread: neither the profiler's own
-  start and stop nor a callback still running from before.
+  start and stop nor a callback still running from before;
+- the library runs what it runs on a GPU, not its shortcuts for tensors in host memory (the
+  compact wire's NumPy sort, :data:`microsparse.comm.eliasfano.HOST_SORT`).
 
 Checked against the same calls on CUDA tensors (torch 2.11, an H200): every call above that
 waits there counts here, and nothing that does not, except where the CPU cannot tell, which
@@ -61,6 +63,8 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from microsparse.comm import eliasfano
 
 SYNC_OPS: frozenset[str] = frozenset(
     {
@@ -161,7 +165,7 @@ def count_host_syncs(work: Callable[[], Any], repeats: int = 1) -> HostSyncs:
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1; got {repeats}")
     with profile(activities=[ProfilerActivity.CPU], experimental_config=_every_thread()) as prof:
-        with _counting_methods() as method_calls, record_function(_WINDOW):
+        with _device_paths(), _counting_methods() as method_calls, record_function(_WINDOW):
             for _ in range(repeats):
                 work()
     events = list(prof.events())
@@ -222,6 +226,17 @@ def _counted_name(event: Any) -> str | None:
             outermost = parent
         parent = parent.cpu_parent
     return event.name if outermost is event else f"{outermost.name} -> {event.name}"
+
+
+@contextmanager
+def _device_paths() -> Iterator[None]:
+    """Run the library's paths for device memory, not its shortcuts for host memory (the
+    compact wire sorts its offsets with NumPy where they are on the host): what a GPU runs."""
+    host_sort, eliasfano.HOST_SORT = eliasfano.HOST_SORT, False
+    try:
+        yield
+    finally:
+        eliasfano.HOST_SORT = host_sort
 
 
 @contextmanager
