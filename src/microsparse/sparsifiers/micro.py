@@ -428,10 +428,10 @@ class _Owned:
     message: rank r's positions at step t are offsets into partition (t + r) mod n.
 
     A partition is rows of entries (interleaved: its blocks; contiguous: one row), so every
-    rank's offsets map to flat positions through one table of row starts (each less the offset
-    its row begins at), the ranks' tables end to end: a handful of kernels whatever n. The
-    per-pick row bases are made once per pattern of owners and counts (they rotate with the
-    step: a few per rank)."""
+    rank's offsets map to flat positions through one table of row bases (offset i is at its
+    row's base plus i), the ranks' tables end to end: a handful of kernels whatever n. The
+    per-pick rows are made once per pattern of owners and counts (they rotate with the step:
+    a few per rank)."""
 
     def __init__(self, micro: Micro) -> None:
         self._micro = micro
@@ -468,15 +468,12 @@ class _Owned:
             parts = [owned_partition(step, rank, n) for rank in range(n)]
             tables = [self._partitions.rows(part) for part in parts]
             row = tables[0][0]
-            bases = torch.tensor([0] + [len(starts) for _, starts in tables[:-1]]).cumsum(0)
+            begins = torch.tensor([0] + [len(bases) for _, bases in tables[:-1]]).cumsum(0)
             sizes = torch.tensor([self._partitions.size(part) for part in parts])
             repeats = torch.tensor(counts)
-            first = torch.repeat_interleave(bases, repeats).to(device)
+            first = torch.repeat_interleave(begins, repeats).to(device)
             last = torch.repeat_interleave(sizes - 1, repeats).to(device)
-            # Each row's start less the offset that begins it: a position is its row's entry
-            # plus the whole offset, with no remainder to take.
-            table = torch.cat([starts - torch.arange(len(starts)) * row for _, starts in tables])
-            table = table.to(device)
+            table = torch.cat([bases for _, bases in tables]).to(device)
             zero = torch.zeros((), dtype=torch.long, device=device)
             plan = self._plans[key] = (row, table, first, last, zero)
         return plan

@@ -87,7 +87,7 @@ class ContiguousPartitions:
 
     def rows(self, part: int) -> tuple[int, torch.Tensor]:
         """As :meth:`InterleavedPartitions.rows`: one row, as long as the vector or longer (a
-        power of 2, so that a caller may shift instead of divide).
+        power of 2, so that a caller may shift instead of divide), based at its start.
 
         Example:
             >>> ContiguousPartitions(10, 4).rows(1)
@@ -134,7 +134,7 @@ class InterleavedPartitions:
         self.numel = numel
         self.parts = parts
         self.full_blocks, self.tail = divmod(numel, self.block)
-        self._row_starts: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._row_bases: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _rows(self, part: int) -> int:
         return len(range(part, self.full_blocks, self.parts))
@@ -172,31 +172,31 @@ class InterleavedPartitions:
         """
         if self.parts == 1:  # every block, in order: the entries are the positions
             return indices
-        starts = self._starts(part, indices.device)
+        bases = self._bases(part, indices.device)
         rows = torch.div(indices, self.block, rounding_mode="floor")
-        return starts.index_select(0, rows).add_(indices % self.block)
+        return bases.index_select(0, rows).add_(indices)
 
     def rows(self, part: int) -> tuple[int, torch.Tensor]:
-        """Entries per row of partition ``part`` and the flat position each row starts at:
-        entry i is at ``starts[i // row] + i % row``.
+        """Entries per row of partition ``part`` (its blocks) and each row's base: entry i is
+        at flat position ``bases[i // row] + i`` (row j starts at ``bases[j] + j · row``).
 
         Example:
-            >>> InterleavedPartitions(10, parts=2, block=2).rows(0)
-            (2, tensor([0, 4, 8]))
+            >>> InterleavedPartitions(10, parts=2, block=2).rows(0)   # rows start at 0, 4, 8
+            (2, tensor([0, 2, 4]))
             >>> InterleavedPartitions(5, parts=4, block=2).rows(3)   # no full block, no tail
             (2, tensor([], dtype=torch.int64))
         """
-        return self.block, self._starts(part, torch.device("cpu"))
+        return self.block, self._bases(part, torch.device("cpu"))
 
-    def _starts(self, part: int, device: torch.device) -> torch.Tensor:
-        starts = self._row_starts.get((part, device))
-        if starts is None:
-            # a vector with fewer full blocks than parts leaves the last partitions none
-            rows = torch.arange(part, max(part, self.full_blocks), self.parts) * self.block
-            if self._owns_tail(part):
-                rows = torch.cat([rows, torch.tensor([self.full_blocks * self.block])])
-            starts = self._row_starts[(part, device)] = rows.to(device)
-        return starts
+    def _bases(self, part: int, device: torch.device) -> torch.Tensor:
+        bases = self._row_bases.get((part, device))
+        if bases is None:
+            # Row j is block part + j · parts (the tail block too, where this partition owns
+            # it); a vector with fewer full blocks than parts leaves the last partitions none.
+            count = self._rows(part) + self._owns_tail(part)
+            rows = torch.arange(count) * ((self.parts - 1) * self.block) + part * self.block
+            bases = self._row_bases[(part, device)] = rows.to(device)
+        return bases
 
     def offsets(self, part: int, positions: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`positions`: block b = p // block of partition ``part`` is its
