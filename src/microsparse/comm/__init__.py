@@ -2,10 +2,12 @@
 
 For measuring: ``Kind``, ``index_dtype``, ``Proposal``, ``Exchange``, ``Exchanged``,
 ``SymmetricPeers`` and ``run_together`` are exported so that benchmarks and the
-simulator can drive the framings and the step without a process group; a training loop needs
-none of them.
+simulator can drive the framings and the step without a process group, and ``eliasfano`` so
+that a count of host syncs can run its device path on the CPU (``eliasfano.HOST_SORT``); a
+training loop needs none of them.
 """
 
+from microsparse.comm import eliasfano
 from microsparse.comm.collectives import (
     Collective,
     Collectives,
@@ -35,5 +37,5 @@ __all__ = [
     "Collective", "Collectives", "Compact", "Dense", "Exchange", "Exchanged", "Fixed",
     "FixedUnion", "Framing", "Kind", "Padded", "ProcessGroupCollectives", "Proposal", "Shared",
     "SymmetricPeers", "all_gather_bytes", "all_gather_flat", "all_reduce_bytes",
-    "broadcast_bytes", "index_dtype", "run_together",
+    "broadcast_bytes", "eliasfano", "index_dtype", "run_together",
 ]
