@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -112,6 +114,14 @@ def main(args: argparse.Namespace) -> None:
         facts = {"steps": hook.step, "selected": hook.last_step.selected,
                  "target": hook.last_step.target}  # fmt: skip
         (out / "facts.json").write_text(json.dumps(facts))
+    # Tear the group down and leave without the interpreter's teardown, as accelerate_run.py
+    # does: gloo's threads can still hold tensors when Python finalizes, which now and then
+    # aborts a finished process ("terminate called without an active exception").
+    trainer.strategy.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
