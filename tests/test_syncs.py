@@ -175,9 +175,9 @@ def test_the_table_tells_a_fixed_size_from_one_the_data_decides(tmp_path) -> Non
     stock, micro, topk, fixed = run_ranks(table_worker, 2, tmp_path)[0]
     assert stock["loop"] is None and stock["hook"].total == 0
     # What the hook adds to stock DDP's step, in operators that would each launch a kernel
-    # on a GPU: 59 a bucket with 8-bit values (MiCRO's default, torch 2.13; 51 with bfloat16
+    # on a GPU: 58 a bucket with 8-bit values (MiCRO's default, torch 2.13; 50 with bfloat16
     # values); a bound, not a timing.
-    assert 0 < (micro["hook"].operators - stock["hook"].operators) / 5 <= 60
+    assert 0 < (micro["hook"].operators - stock["hook"].operators) / 5 <= 59
     assert micro["loop"].total == micro["hook"].total == 0
     assert topk["loop"].counts["aten::_unique2"] == 1
     assert topk["hook"].counts["aten::_unique2"] == 5  # one per DDP bucket

@@ -84,7 +84,8 @@ class Exchanged:
     local_proposed: int
     """This rank's proposals, before the capacity cut."""
     guard_rows: torch.Tensor | None = None
-    """Every rank's guard message as carried in the index message, (n, 2) float32."""
+    """Every rank's guard message as carried in the index message, (n, 2): its whole numbers
+    in the message's own int32 words (compared with float32 rows without a copy)."""
     scale_rows: torch.Tensor | None = None
     """Every rank's :attr:`Proposal.value_scale`, (n,) float32, where one was carried."""
     repeats: torch.Tensor | None = None
@@ -512,7 +513,7 @@ def _carried(
     table = rows.view(-1, rows.shape[-1])
     guard = None
     if proposal.guard is not None:
-        guard = table[:, words : words + Compact.GUARD_WORDS].float()
+        guard = table[:, words : words + Compact.GUARD_WORDS]
     scale = None if proposal.value_scale is None else table[:, -1].view(torch.float32)
     return guard, scale
 
