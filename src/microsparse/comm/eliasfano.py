@@ -194,8 +194,8 @@ class EliasFano:
         self._device = device
         capacity, whole, rest = self.capacity, self._whole, self._rest
         self._unpacked = torch.zeros(8 * self._packed_bytes, dtype=torch.bool, device=device)
-        self._byte_bits = torch.arange(256, device=device).unsqueeze(1)
-        self._byte_bits = self._byte_bits.bitwise_right_shift(torch.arange(8, device=device)) & 1
+        every_byte = torch.arange(256, device=device).unsqueeze(1)  # row b: b's 8 bits
+        self._byte_bits = every_byte.bitwise_right_shift(torch.arange(8, device=device)) & 1
         bytes_ = torch.arange(whole, device=device).mul_(8).add_(rest)  # bit of each byte
         self._whole_shifts = bytes_
         self._whole_weights = torch.ones_like(bytes_).bitwise_left_shift_(bytes_)
